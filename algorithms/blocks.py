@@ -1,0 +1,117 @@
+"""Anchored blocks on one packed row: anchor sampling, flattening, masks and target indices (spec §3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PackedRow:
+    """One packed training row (spec §3.1). All tensors are [T] except the features."""
+
+    input_ids: torch.Tensor  # [T] long
+    loss_mask: torch.Tensor  # [T] 0/1
+    document_ids: torch.Tensor  # [T] long, -1 on padding
+    position_ids: torch.Tensor  # [T] long, restarts at 0 per document
+    features: torch.Tensor  # [T, n_T*H] concatenated target hidden states
+    target_hidden: torch.Tensor  # [T, H] target final (post-norm) hidden state
+
+    @property
+    def length(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> PackedRow:
+        return PackedRow(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+@dataclass
+class Anchors:
+    """N anchor positions (sorted, padded with position 0) and which of them are real."""
+
+    positions: torch.Tensor  # [N] long
+    valid: torch.Tensor  # [N] bool
+
+
+def eligible_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Positions whose whole block lies inside their own document and that carry loss (D1)."""
+    length = loss_mask.shape[0]
+    eligible = loss_mask.bool() & (document_ids != -1)
+    last = torch.arange(length, device=loss_mask.device) + block_size - 1
+    in_row = last <= length - 1
+    end_doc = document_ids[last.clamp(max=length - 1)]
+    return eligible & in_row & (end_doc == document_ids)
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    document_ids: torch.Tensor,
+    block_size: int,
+    max_anchors: int,
+    generator: torch.Generator | None = None,
+) -> Anchors:
+    """Draw min(N, |E|) eligible anchors uniformly without replacement, sorted ascending."""
+    eligible = torch.nonzero(eligible_anchor_mask(loss_mask, document_ids, block_size)).squeeze(-1)
+    count = min(max_anchors, eligible.numel())
+    perm = torch.randperm(eligible.numel(), generator=generator, device="cpu").to(eligible.device)
+    positions = torch.zeros(max_anchors, dtype=torch.long, device=loss_mask.device)
+    valid = torch.zeros(max_anchors, dtype=torch.bool, device=loss_mask.device)
+    positions[:count] = eligible[perm[:count]].sort().values
+    valid[:count] = True
+    return Anchors(positions, valid)
+
+
+def block_indices(anchor_positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Flat row index of every block slot: idx[j*B + k] = a_j + k."""
+    offsets = torch.arange(block_size, device=anchor_positions.device)
+    return (anchor_positions[:, None] + offsets[None, :]).reshape(-1)
+
+
+def target_indices(anchor_positions: torch.Tensor, block_size: int, length: int, sample_from_anchor: bool) -> torch.Tensor:
+    """Row whose target logits supervise each flat slot (§3.5); wraps only at masked slot 0."""
+    idx = block_indices(anchor_positions, block_size)
+    return idx if sample_from_anchor else (idx - 1) % length
+
+
+def aligned_loss_mask(
+    loss_mask: torch.Tensor, anchors: Anchors, block_size: int, sample_from_anchor: bool
+) -> torch.Tensor:
+    """m[jB+k] = valid_j * loss_mask[a_j+k] * [k >= 1] (False mode), as float [M]."""
+    idx = block_indices(anchors.positions, block_size)
+    mask = loss_mask[idx].float() * anchors.valid.repeat_interleave(block_size).float()
+    if not sample_from_anchor:
+        mask = mask.view(-1, block_size).clone()
+        mask[:, 0] = 0
+        mask = mask.view(-1)
+    return mask
+
+
+def block_attention_mask(
+    anchors: Anchors,
+    document_ids: torch.Tensor,
+    block_size: int,
+    causal: bool,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Dense boolean mask [M, T+M]: context of the anchor's document strictly before it, plus its own block."""
+    length = document_ids.shape[0]
+    num_blocks = anchors.positions.shape[0]
+    device = document_ids.device
+    query_anchor = anchors.positions.repeat_interleave(block_size)  # [M]
+    query_doc = document_ids[query_anchor]
+    ctx = torch.arange(length, device=device)
+    context_visible = (
+        (query_doc[:, None] != -1)
+        & (document_ids[None, :] == query_doc[:, None])
+        & (ctx[None, :] < query_anchor[:, None])
+    )
+    if sliding_window is not None:
+        context_visible &= ctx[None, :] >= query_anchor[:, None] - sliding_window
+    # Padding anchors see only their own block, so no softmax row is ever empty.
+    context_visible &= anchors.valid.repeat_interleave(block_size)[:, None]
+    flat = torch.arange(num_blocks * block_size, device=device)
+    block_visible = (flat[:, None] // block_size) == (flat[None, :] // block_size)
+    if causal:
+        block_visible &= flat[None, :] <= flat[:, None]
+    return torch.cat([context_visible, block_visible], dim=1)

@@ -1,0 +1,152 @@
+"""Pooled metric counts (spec §6): every metric is a (sum, total) pair, divided once at the end.
+
+Metric names live here and nowhere else; the harness, studies and reports import them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from algorithms.losses import overlap
+
+PATHS = ("unary", "realized", "oracle")
+UNARY_ACCEPTED_LENGTH = "unary_accepted_length"
+REALIZED_ACCEPTED_LENGTH = "realized_accepted_length"
+ORACLE_ACCEPTED_LENGTH = "oracle_accepted_length"
+ACCEPTED_LENGTHS = (UNARY_ACCEPTED_LENGTH, REALIZED_ACCEPTED_LENGTH, ORACLE_ACCEPTED_LENGTH)
+TEACHER_FORCED_SELECTOR_ACC = "teacher_forced_selector_acc"
+
+
+def recall_name(top_k: int) -> str:
+    return f"unary_candidate_recall_at_{top_k}"
+
+
+def target_mass_name(top_k: int) -> str:
+    return f"unary_candidate_target_mass_at_{top_k}"
+
+
+def conditional_acc_name(path: str, slot: int) -> str:
+    return f"{path}_position_{slot}_conditional_acc"
+
+
+MetricCounts = dict[str, torch.Tensor]  # name -> tensor([sum, total])
+
+
+def _pair(numerator: torch.Tensor, denominator: torch.Tensor | float) -> torch.Tensor:
+    return torch.stack([torch.as_tensor(numerator, dtype=torch.float64), torch.as_tensor(denominator, dtype=torch.float64)]).detach().cpu()
+
+
+def scalar_counts(values: dict[str, torch.Tensor]) -> MetricCounts:
+    """Per-batch scalars (losses): sum = value, total = 1, so pooling averages batches."""
+    return {name: _pair(value.detach().double().cpu(), 1.0) for name, value in values.items()}
+
+
+def path_counts(path: str, correct: torch.Tensor, valid: torch.Tensor, first_slot: int) -> MetricCounts:
+    """Accepted length (anchor included) and per-slot conditional acceptance of one path.
+
+    correct, valid: [N, S] over the draft slots first_slot .. B-1. A masked slot ends the run.
+    """
+    ok = correct & valid
+    alive = ok.long().cumprod(dim=-1).bool()
+    counted = valid.any(dim=-1)
+    lengths = 1.0 + alive.double().sum(-1)
+    counts = {f"{path}_accepted_length": _pair((lengths * counted).sum(), counted.sum())}
+    alive_before = torch.cat([torch.ones_like(alive[:, :1]), alive[:, :-1]], dim=1)
+    for column in range(correct.shape[1]):
+        counts[conditional_acc_name(path, first_slot + column)] = _pair(
+            alive[:, column].sum(), (alive_before[:, column] & valid[:, column]).sum()
+        )
+    return counts
+
+
+@torch.no_grad()
+def unary_counts(
+    draft_logprobs: torch.Tensor,  # [M, V] fp32 log-softmax of the transformed unary logits
+    target_logprobs: torch.Tensor,  # [M, V] fp32
+    mask: torch.Tensor,  # [M] aligned loss mask
+    candidate_ids: torch.Tensor,  # [M, K] original unary top-K, descending
+    block_size: int,
+    first_slot: int,
+) -> MetricCounts:
+    """Unary and candidate metrics, plus the unary and oracle paths (spec §6.1-6.3)."""
+    top_k = candidate_ids.shape[-1]
+    target_ids = target_logprobs.argmax(-1)
+    valid = mask > 0
+    weight = valid.double()
+    slots = torch.arange(mask.shape[0], device=mask.device) % block_size
+    unary_correct = draft_logprobs.argmax(-1) == target_ids
+    in_candidates = (candidate_ids == target_ids[:, None]).any(-1)
+    candidate_mass = target_logprobs.gather(-1, candidate_ids).exp().sum(-1)
+    alpha = overlap(draft_logprobs, target_logprobs)
+
+    counts: MetricCounts = {
+        "unary_full_acc": _pair((unary_correct * weight).sum(), weight.sum()),
+        "accept_rate": _pair((alpha * weight).sum(), weight.sum()),
+        recall_name(top_k): _pair((in_candidates * weight).sum(), weight.sum()),
+        target_mass_name(top_k): _pair((candidate_mass * weight).sum(), weight.sum()),
+    }
+    for slot in range(first_slot, block_size):
+        at_slot = weight * (slots == slot)
+        counts[f"unary_position_{slot}_acc"] = _pair((unary_correct * at_slot).sum(), at_slot.sum())
+        counts[f"{recall_name(top_k)}_position_{slot}"] = _pair((in_candidates * at_slot).sum(), at_slot.sum())
+
+    blocks = lambda x: x.view(-1, block_size)[:, first_slot:]  # noqa: E731
+    block_valid = blocks(valid)
+    counted = block_valid.any(-1)
+    tv_length = 1.0 + (blocks(alpha.double() * weight)).cumprod(-1).sum(-1)
+    counts["accept_len_tv"] = _pair((tv_length * counted).sum(), counted.sum())
+    counts.update(path_counts("unary", blocks(unary_correct), block_valid, first_slot))
+    counts.update(path_counts("oracle", blocks(in_candidates), block_valid, first_slot))
+    return counts
+
+
+@torch.no_grad()
+def selector_counts(
+    teacher_forced_scores: torch.Tensor,  # [M, K] over the ORIGINAL candidates, teacher-forced predecessor
+    candidate_ids: torch.Tensor,  # [M, K]
+    target_logprobs: torch.Tensor,  # [M, V]
+    mask: torch.Tensor,  # [M]
+    realized_tokens: torch.Tensor,  # [N, B - first_slot] the greedy selector walk
+    injected_candidate_ids: torch.Tensor,  # [M, K] training candidates (for the parity-named mass only)
+    block_size: int,
+    first_slot: int,
+) -> MetricCounts:
+    """Selector metrics (spec §6.2, §6.5) and the realized path (D3). The injection never enters them."""
+    top_k = candidate_ids.shape[-1]
+    target_ids = target_logprobs.argmax(-1)
+    weight = (mask > 0).double()
+    in_candidates = (candidate_ids == target_ids[:, None]).any(-1)
+    chosen = candidate_ids.gather(-1, teacher_forced_scores.argmax(-1, keepdim=True)).squeeze(-1)
+    selector_hit = (chosen == target_ids) & in_candidates
+    selector_probs = torch.softmax(teacher_forced_scores.float(), dim=-1)
+    selector_alpha = torch.minimum(target_logprobs.gather(-1, candidate_ids).exp(), selector_probs).sum(-1)
+    injected_mass = target_logprobs.gather(-1, injected_candidate_ids).exp().sum(-1)
+
+    blocks = lambda x: x.view(-1, block_size)[:, first_slot:]  # noqa: E731
+    counts: MetricCounts = {
+        TEACHER_FORCED_SELECTOR_ACC: _pair((selector_hit * weight).sum(), (in_candidates * weight).sum()),
+        "teacher_forced_selector_hit_rate": _pair((selector_hit * weight).sum(), weight.sum()),
+        "selector_accept_rate_tf": _pair((selector_alpha * weight).sum(), weight.sum()),
+        f"unary_candidate_target_mass_injected_at_{top_k}": _pair((injected_mass * weight).sum(), weight.sum()),
+    }
+    counts.update(path_counts("realized", realized_tokens == blocks(target_ids), blocks(mask > 0), first_slot))
+    return counts
+
+
+def pool(into: MetricCounts, counts: MetricCounts) -> MetricCounts:
+    """Add counts from another batch or process (sums and totals both add)."""
+    for name, pair in counts.items():
+        into[name] = into[name] + pair if name in into else pair.clone()
+    return into
+
+
+def finalize(counts: MetricCounts, block_size: int | None = None, first_slot: int = 1) -> dict[str, float]:
+    """Divide once: sum / total, 0 where the total is 0. Adds the no-anchor marginal EAL (§6.4)."""
+    values = {name: (float(pair[0] / pair[1]) if pair[1] > 0 else 0.0) for name, pair in counts.items()}
+    if block_size is not None and f"unary_position_{first_slot}_acc" in values:
+        product, marginal = 1.0, 0.0
+        for slot in range(first_slot, block_size):
+            product *= values[f"unary_position_{slot}_acc"]
+            marginal += product
+        values["eal_marginal_no_anchor"] = marginal
+    return values

@@ -1,0 +1,81 @@
+"""Low-rank candidate selector: re-ranks the unary top-K given the previous token (spec §4.2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+class CandidateSelector(nn.Module):
+    """score(p, c) = U[c] + sum_r A[p, r] (W_h h)_r S[c, r]."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, init: str = "zero_successor") -> None:
+        super().__init__()
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.init = init
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """D4: S = 0 makes a fresh selector a no-op, so DFlash2 starts exactly as DFlash."""
+        nn.init.normal_(self.predecessor_codebook, std=0.02)
+        nn.init.normal_(self.hidden_projection.weight, std=0.02)
+        if self.init == "normal":
+            nn.init.normal_(self.successor_codebook, std=0.02)
+        else:
+            nn.init.zeros_(self.successor_codebook)
+
+    def transition(self, projected_hidden: torch.Tensor, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
+        """[..., K] transition scores for candidates [..., K] after predecessors [...]; fp32."""
+        context = self.predecessor_codebook[predecessor_ids].float() * projected_hidden.float()
+        return torch.einsum("...r,...kr->...k", context, self.successor_codebook[candidate_ids].float())
+
+    def scores(self, unary_logits: torch.Tensor, hidden: torch.Tensor, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced scores of candidates [M, K] (unary logits already transformed)."""
+        unary = unary_logits.float().gather(-1, candidate_ids)
+        return unary + self.transition(self.hidden_projection(hidden), predecessor_ids, candidate_ids)
+
+    def walk(
+        self,
+        candidate_unary: torch.Tensor,  # [N, S, K] unary logits of the candidates, descending
+        candidate_ids: torch.Tensor,  # [N, S, K]
+        hidden: torch.Tensor,  # [N, S, H] final-normed hidden of the draft slots
+        anchor_ids: torch.Tensor,  # [N]
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> SelectorPath:
+        """Walk slot by slot from the anchor, feeding each selected token forward.
+
+        Greedy at temperature 0 (first index on ties = highest unary); otherwise sample over the
+        K candidates from softmax(score / T) and keep each realized row for rejection sampling.
+        """
+        projected = self.hidden_projection(hidden)
+        successors = self.successor_codebook[candidate_ids].float()  # [N, S, K, R]
+        previous = anchor_ids
+        tokens, rows = [], []
+        for slot in range(candidate_ids.shape[1]):
+            context = self.predecessor_codebook[previous].float() * projected[:, slot].float()
+            score = candidate_unary[:, slot].float() + torch.einsum("nr,nkr->nk", context, successors[:, slot])
+            if temperature > 0:
+                probs = torch.softmax(score / temperature, dim=-1)
+                choice = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                rows.append(probs)
+            else:
+                choice = score.argmax(-1)
+            previous = candidate_ids[:, slot].gather(-1, choice[:, None]).squeeze(-1)
+            tokens.append(previous)
+        return SelectorPath(
+            tokens=torch.stack(tokens, dim=1),
+            candidate_ids=candidate_ids,
+            probs=torch.stack(rows, dim=1) if rows else None,
+        )
+
+
+@dataclass
+class SelectorPath:
+    tokens: torch.Tensor  # [N, S] the selected token per draft slot
+    candidate_ids: torch.Tensor  # [N, S, K]
+    probs: torch.Tensor | None  # [N, S, K] realized q rows (sampling only)
