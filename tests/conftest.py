@@ -1,0 +1,77 @@
+"""Tiny random targets and packed rows for CPU unit tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from algorithms import AlgorithmConfig, TargetSpec, build_draft
+from algorithms.blocks import PackedRow, sample_anchors
+
+VOCAB, HIDDEN, TARGET_LAYERS = 300, 64, 8
+
+
+def tiny_target(**overrides) -> TargetSpec:
+    fields = dict(
+        num_hidden_layers=TARGET_LAYERS, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=10000.0,
+    )
+    fields.update(overrides)
+    return TargetSpec(**fields)
+
+
+def tiny_config(algorithm: str, **overrides) -> AlgorithmConfig:
+    knobs = dict(mask_token_id=5, num_draft_layers=2, block_size=4, max_anchors=8)
+    if algorithm == "dflash2":
+        knobs.update(conv_group_size=8, selector_rank=8, selector_top_k=4)
+    else:
+        knobs.update(metrics_top_k=4)
+    knobs.update(overrides)
+    return AlgorithmConfig.preset(algorithm, **knobs)
+
+
+def frozen_tensors(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    embed = torch.randn(VOCAB, HIDDEN, generator=generator) * 0.5
+    head = torch.randn(VOCAB, HIDDEN, generator=generator) * 0.5
+    return embed, head
+
+
+def tiny_draft(algorithm: str, seed: int = 0, **overrides):
+    """`seed` drives the trainable init; the frozen verifier tensors are always the same."""
+    torch.manual_seed(seed)
+    embed, head = frozen_tensors()
+    return build_draft(tiny_config(algorithm, **overrides), tiny_target(), embed, head)
+
+
+def packed_row(doc_lengths=(20, 14), pad: int = 6, seed: int = 0, num_features: int = 3) -> PackedRow:
+    """Packed documents plus padding; the first 3 tokens of each document are prompt (mask 0)."""
+    generator = torch.Generator().manual_seed(seed)
+    length = sum(doc_lengths) + pad
+    document_ids = torch.full((length,), -1, dtype=torch.long)
+    position_ids = torch.zeros(length, dtype=torch.long)
+    loss_mask = torch.zeros(length)
+    start = 0
+    for doc, size in enumerate(doc_lengths):
+        document_ids[start:start + size] = doc
+        position_ids[start:start + size] = torch.arange(size)
+        loss_mask[start + 3:start + size] = 1
+        start += size
+    input_ids = torch.randint(0, VOCAB, (length,), generator=generator) * (document_ids != -1)
+    return PackedRow(
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        document_ids=document_ids,
+        position_ids=position_ids,
+        features=torch.randn(length, num_features * HIDDEN, generator=generator),
+        target_hidden=torch.randn(length, HIDDEN, generator=generator),
+    )
+
+
+@pytest.fixture
+def row() -> PackedRow:
+    return packed_row()
+
+
+def anchors_for(row: PackedRow, block_size: int = 4, max_anchors: int = 8, seed: int = 0):
+    return sample_anchors(row.loss_mask, row.document_ids, block_size, max_anchors, torch.Generator().manual_seed(seed))

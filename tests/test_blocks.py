@@ -1,0 +1,84 @@
+import torch
+
+from algorithms.blocks import (
+    Anchors,
+    PackedRow,
+    block_attention_mask,
+    block_indices,
+    eligible_anchor_mask,
+    sample_anchors,
+    target_indices,
+)
+
+
+def test_block_indices_example():
+    assert block_indices(torch.tensor([0, 5, 10]), 3).tolist() == [0, 1, 2, 5, 6, 7, 10, 11, 12]
+
+
+def _rule(anchor: int, valid: bool, docs: torch.Tensor, q_slot: int, q_block: int, col: int, length: int, block: int, causal: bool, window):
+    """Spec §3.4, written element by element."""
+    if col < length:
+        d = int(docs[anchor])
+        visible = valid and d != -1 and int(docs[col]) == d and col < anchor
+        if window is not None:
+            visible = visible and col >= anchor - window
+        return visible
+    other = col - length
+    same = other // block == q_block
+    return same and (not causal or other % block <= q_slot)
+
+
+def test_dense_mask_equals_elementwise_rule():
+    docs = torch.tensor([0] * 10 + [1] * 6)
+    anchors = Anchors(torch.tensor([3, 8, 12]), torch.tensor([True, True, True]))
+    for causal in (False, True):
+        for window in (None, 4):
+            mask = block_attention_mask(anchors, docs, 4, causal, window)
+            assert mask.shape == (12, 16 + 12)
+            for q in range(12):
+                assert mask[q].any(), "every row sees at least itself"
+                for col in range(28):
+                    expected = _rule(int(anchors.positions[q // 4]), True, docs, q % 4, q // 4, col, 16, 4, causal, window)
+                    assert bool(mask[q, col]) == expected, (causal, window, q, col)
+
+
+def test_padding_anchor_sees_only_its_block():
+    docs = torch.tensor([0] * 8)
+    anchors = Anchors(torch.tensor([3, 0]), torch.tensor([True, False]))
+    mask = block_attention_mask(anchors, docs, 2, False, None)
+    assert not mask[2:, :8].any() and mask[2:, 8 + 2:].all()
+
+
+def test_no_block_crosses_a_document_over_random_packings():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        block = int(torch.randint(2, 6, (1,), generator=generator))
+        sizes = torch.randint(1, 12, (int(torch.randint(1, 5, (1,), generator=generator)),), generator=generator).tolist()
+        length = sum(sizes) + int(torch.randint(0, 4, (1,), generator=generator))
+        docs = torch.full((length,), -1)
+        start = 0
+        for doc, size in enumerate(sizes):
+            docs[start:start + size] = doc
+            start += size
+        loss_mask = (torch.rand(length, generator=generator) > 0.3).float() * (docs != -1)
+        eligible = eligible_anchor_mask(loss_mask, docs, block)
+        anchors = sample_anchors(loss_mask, docs, block, 6, generator)
+        assert int(anchors.valid.sum()) == min(6, int(eligible.sum()))
+        real = anchors.positions[anchors.valid]
+        assert torch.equal(real, real.sort().values)
+        for a in real.tolist():
+            assert a + block - 1 < length
+            assert bool(loss_mask[a])
+            assert (docs[a:a + block] == docs[a]).all() and docs[a] != -1
+
+
+def test_target_gather_equals_full_head_and_shift():
+    length, block = 12, 3
+    logits = torch.randn(length, 7)
+    anchors = torch.tensor([1, 5, 8])
+    flat = block_indices(anchors, block)
+    # DFlash (slot k supervised by position a+k-1): shift the full logits right by one, then gather.
+    shifted = torch.roll(logits, 1, dims=0)[flat]
+    assert torch.equal(logits[target_indices(anchors, block, length, False)], shifted)
+    # sample_from_anchor: slot k supervised by position a+k.
+    assert torch.equal(logits[target_indices(anchors, block, length, True)], logits[flat])

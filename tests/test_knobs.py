@@ -1,0 +1,93 @@
+import pytest
+
+from algorithms import AlgorithmConfig, build_draft
+from algorithms.knobs import DFlash2Knobs, SharedKnobs
+
+from conftest import frozen_tensors, tiny_config, tiny_target
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "dflash2"])
+def test_config_round_trips_through_dict(algorithm):
+    config = tiny_config(algorithm, loss={"ce": 0.1, "tv": 0.9}, position_weighting="fixed-exp-decay", target_layer_ids=[1, 4, 6])
+    assert AlgorithmConfig.from_dict(config.to_dict()) == config
+    params = config.flat_params()
+    assert params["algorithm"] == algorithm
+    assert params["shared.block_size"] == 4
+    assert params["shared.target_layer_ids"] == "[1, 4, 6]"
+
+
+def test_presets_are_the_published_defaults():
+    dflash, dflash2 = AlgorithmConfig.preset("dflash"), AlgorithmConfig.preset("dflash2")
+    assert (dflash.shared.block_size, dflash.shared.loss, dflash.shared.position_weighting) == (16, "ce", "dpace")
+    assert (dflash2.shared.block_size, dflash2.shared.loss, dflash2.shared.position_weighting) == (8, "kl_div", "fixed-exp-decay")
+    assert dflash2.knobs == DFlash2Knobs(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16, selector_loss_alpha=1.0)
+    for config in (dflash, dflash2):
+        assert config.shared.block_attention == "bidirectional"
+        assert config.shared.num_draft_layers == 5 and config.shared.max_anchors == 512
+
+
+def test_unknown_override_is_rejected():
+    with pytest.raises(ValueError, match="invalid knob knob='selector_rank'"):
+        AlgorithmConfig.preset("dflash", selector_rank=4)
+
+
+def _build(algorithm, **overrides):
+    embed, head = frozen_tensors()
+    return build_draft(tiny_config(algorithm, **overrides), tiny_target(), embed, head)
+
+
+def test_pruned_vocab_rejected_for_dflash2():
+    with pytest.raises(ValueError, match=r"draft_vocab_size=100.*DFlash2 requires the full verifier vocabulary \(draft=100, verifier=300\)"):
+        _build("dflash2", draft_vocab_size=100)
+
+
+def test_top_k_above_vocab_rejected():
+    with pytest.raises(ValueError, match=r"selector_top_k=301.*\[1, vocab_size=300\]"):
+        _build("dflash2", selector_top_k=301)
+
+
+def test_top_k_below_one_rejected():
+    with pytest.raises(ValueError, match=r"selector_top_k=0.*\[1, vocab_size\]"):
+        _build("dflash2", selector_top_k=0)
+
+
+def test_conv_kernel_above_block_rejected():
+    with pytest.raises(ValueError, match=r"conv_kernel_size=5.*\[1, block_size=4\]"):
+        _build("dflash2", conv_kernel_size=5)
+
+
+def test_conv_kernel_below_one_rejected():
+    with pytest.raises(ValueError, match=r"conv_kernel_size=0.*\[1, block_size=4\]"):
+        _build("dflash2", conv_kernel_size=0)
+
+
+def test_group_size_must_divide_hidden():
+    with pytest.raises(ValueError, match=r"conv_group_size=7.*divisor of the hidden size 64"):
+        _build("dflash2", conv_group_size=7)
+
+
+def test_dflash2_rejects_sample_from_anchor():
+    with pytest.raises(ValueError, match=r"sample_from_anchor=True.*False for dflash2"):
+        _build("dflash2", sample_from_anchor=True)
+
+
+def test_dpace_requires_ce():
+    with pytest.raises(ValueError, match=r"loss='kl_div'.*exactly 'ce'.*dpace"):
+        _build("dflash", loss="kl_div", position_weighting="dpace")
+
+
+def test_block_size_below_two_rejected():
+    with pytest.raises(ValueError, match=r"block_size=1.*>= 2"):
+        SharedKnobs(block_size=1).validate()
+
+
+def test_target_layer_ids_outside_target_rejected():
+    with pytest.raises(ValueError, match=r"target_layer_ids=\[2, 8\].*\[1, 7\] for a target with 8 layers"):
+        _build("dflash", target_layer_ids=[2, 8])
+    with pytest.raises(ValueError, match=r"target_layer_ids=\[0, 3\]"):
+        _build("dflash", target_layer_ids=[0, 3])
+
+
+def test_unknown_loss_rejected():
+    with pytest.raises(ValueError, match=r"loss='bogus'"):
+        _build("dflash", loss="bogus", position_weighting="fixed-exp-decay")

@@ -1,0 +1,68 @@
+import pytest
+import torch
+
+from algorithms.metrics import finalize, path_counts, pool, unary_counts
+
+
+def _logprobs(ids, vocab=10, sharp=20.0):
+    return (torch.nn.functional.one_hot(torch.tensor(ids), vocab).float() * sharp).log_softmax(-1)
+
+
+def test_perfect_draft_block_two_gives_two():
+    targets = [0, 3, 0, 7]  # two blocks of B=2; slot 0 is the anchor
+    mask = torch.tensor([0.0, 1, 0, 1])
+    candidates = torch.tensor([[t, 1] if t != 1 else [1, 2] for t in targets])
+    values = finalize(unary_counts(_logprobs(targets), _logprobs(targets), mask, candidates, 2, 1))
+    assert values["unary_accepted_length"] == 2.0
+    assert values["oracle_accepted_length"] == 2.0
+    assert values["accept_len_tv"] == pytest.approx(2.0, abs=1e-6)
+
+
+def test_first_error_at_slot_three_gives_three():
+    correct = torch.tensor([[True, True, False, True, True, True, True]])
+    values = finalize(path_counts("unary", correct, torch.ones_like(correct), 1))
+    assert values["unary_accepted_length"] == 3.0
+    assert values["unary_position_3_conditional_acc"] == 0.0
+    assert values["unary_position_2_conditional_acc"] == 1.0
+
+
+def test_target_outside_top_k_stops_oracle():
+    targets = [0, 4, 5, 6]  # one block, B=4
+    draft = [0, 4, 9, 6]
+    candidates = torch.tensor([[0, 1], [4, 1], [9, 8], [6, 1]])  # slot 2 misses target 5
+    values = finalize(unary_counts(_logprobs(draft), _logprobs(targets), torch.tensor([0.0, 1, 1, 1]), candidates, 4, 1))
+    assert values["oracle_accepted_length"] == 2.0
+    assert values["unary_accepted_length"] == 2.0
+    assert values["unary_candidate_recall_at_2"] == pytest.approx(2 / 3)
+
+
+def test_masked_slot_ends_the_run_and_all_masked_gives_zero():
+    correct = torch.ones(2, 3, dtype=torch.bool)
+    valid = torch.tensor([[True, False, True], [False, False, False]])
+    values = finalize(path_counts("oracle", correct, valid, 1))
+    assert values["oracle_accepted_length"] == 2.0  # the second block is not counted
+    empty = finalize(path_counts("oracle", correct, torch.zeros_like(valid), 1))
+    assert empty["oracle_accepted_length"] == 0.0
+
+
+def test_pooling_divides_once():
+    batch_a = path_counts("unary", torch.ones(10, 4, dtype=torch.bool), torch.ones(10, 4, dtype=torch.bool), 1)
+    batch_b = path_counts("unary", torch.zeros(1, 4, dtype=torch.bool), torch.ones(1, 4, dtype=torch.bool), 1)
+    assert finalize(pool(pool({}, batch_a), batch_b))["unary_accepted_length"] == pytest.approx(51 / 11)
+
+
+def test_table_one_arithmetic():
+    """Blocks whose pooled conditional recalls are the blog's Table 1 give tau = 4.27 and 6.80."""
+    for recalls, tau in (([.854, .803, .794, .783, .775, .759, .729], 4.27), ([.995, .973, .948, .926, .908, .894, .878], 6.80)):
+        blocks = 100000
+        alive_counts, product = [], 1.0
+        for r in recalls:
+            product *= r
+            alive_counts.append(round(blocks * product))
+        correct = torch.zeros(blocks, 7, dtype=torch.bool)
+        for slot, alive in enumerate(alive_counts):
+            correct[:alive, slot] = True
+        values = finalize(path_counts("oracle", correct, torch.ones_like(correct), 1))
+        assert values["oracle_accepted_length"] == pytest.approx(tau, abs=0.006)
+        for slot, r in enumerate(recalls, start=1):
+            assert values[f"oracle_position_{slot}_conditional_acc"] == pytest.approx(r, abs=1e-3)
