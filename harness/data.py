@@ -1,0 +1,234 @@
+"""Chat data: load `messages` datasets, regenerate assistant turns with the target, tokenise, pack."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from algorithms.blocks import PackedRow
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_DATASETS = {"chitchat": ("chitchat-dataset", "dataset.json")}
+
+
+@dataclass
+class DataConfig:
+    """Which conversations, how they are regenerated, and how they are cut and packed."""
+
+    dataset: str = "chitchat"  # embedded name, a JSONL file of {"messages": [...]}, or an HF dataset id
+    num_conversations: int = 240
+    num_validation: int = 24
+    max_user_turns: int = 1
+    regenerate: bool = True
+    max_new_tokens: int = 96
+    generation_temperature: float = 0.0
+    generation_batch_size: int = 16
+    max_length: int = 256  # per document, in tokens; longer documents are truncated
+    row_length: int = 1024  # packed row length T
+    seed: int = 0
+
+    def validate(self) -> None:
+        for name in ("num_conversations", "max_user_turns", "max_new_tokens", "generation_batch_size", "max_length", "row_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"invalid knob {name}={getattr(self, name)!r}: allowed an integer >= 1")
+        if not 0 < self.num_validation < self.num_conversations:
+            raise ValueError(f"invalid knob num_validation={self.num_validation!r}: allowed an integer in [1, num_conversations={self.num_conversations})")
+        if self.max_length > self.row_length:
+            raise ValueError(f"invalid knob max_length={self.max_length!r}: allowed at most row_length={self.row_length}")
+
+
+@dataclass
+class Document:
+    """One tokenised conversation: ids and a 0/1 mask over assistant tokens."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def stable_hash(payload) -> str:
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def chitchat_to_jsonl(out_path: Path) -> Path:
+    """The embedded chitchat file is keyed by conversation id; write it as `messages` JSONL, turns alternating."""
+    package, filename = EMBEDDED_DATASETS["chitchat"]
+    try:
+        raw_path = next(f.locate() for f in importlib.metadata.files(package) or [] if f.name == filename)
+    except (importlib.metadata.PackageNotFoundError, StopIteration):
+        raise FileNotFoundError(f"dataset 'chitchat' needs the package {package!r}: pip install chitchat-dataset==0.9.0") from None
+    if out_path.exists():
+        return out_path
+    raw = json.loads(Path(raw_path).read_text())
+    tmp = out_path.with_suffix(f".tmp{os.getpid()}")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(tmp, "w") as handle:
+        for conversation_id in sorted(raw):
+            turns = [" ".join(u["text"] for u in turn).strip() for turn in raw[conversation_id]["messages"]]
+            messages = [{"role": ("user", "assistant")[i % 2], "content": text} for i, text in enumerate(turns) if text]
+            if len(messages) >= 2:
+                handle.write(json.dumps({"id": conversation_id, "messages": messages}) + "\n")
+    os.replace(tmp, out_path)
+    return out_path
+
+
+def load_conversations(config: DataConfig, cache_dir: Path) -> list[list[dict]]:
+    """The first `num_conversations` conversations (seeded shuffle), read through `datasets`."""
+    import datasets
+
+    if config.dataset in EMBEDDED_DATASETS:
+        source = dict(path="json", data_files=str(chitchat_to_jsonl(cache_dir / "data" / "chitchat.jsonl")))
+    elif Path(config.dataset).exists():
+        source = dict(path="json", data_files=config.dataset)
+    else:
+        source = dict(path=config.dataset)
+    table = datasets.load_dataset(**source, split="train")
+    if "messages" not in table.column_names:
+        raise ValueError(f"dataset {config.dataset!r} has no 'messages' column (columns: {table.column_names})")
+    order = list(range(len(table)))
+    random.Random(config.seed).shuffle(order)
+    if len(order) < config.num_conversations:
+        raise ValueError(f"invalid knob num_conversations={config.num_conversations}: dataset {config.dataset!r} has {len(order)}")
+    return [table[i]["messages"] for i in order[: config.num_conversations]]
+
+
+def user_prompts(conversation: list[dict], max_user_turns: int) -> list[str]:
+    return [m["content"] for m in conversation if m["role"] == "user"][:max_user_turns]
+
+
+@torch.no_grad()
+def regenerate(target, conversations: list[list[dict]], config: DataConfig) -> list[list[dict]]:
+    """Replace every assistant turn with the target's own response (batched, turn by turn)."""
+    tokenizer, model = target.tokenizer, target.model
+    tokenizer.padding_side = "left"
+    device = next(model.parameters()).device
+    dialogues: list[list[dict]] = [[] for _ in conversations]
+    prompts = [user_prompts(c, config.max_user_turns) for c in conversations]
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    total = sum(len(p) for p in prompts)
+    with tqdm(total=total, desc="regenerating responses", unit="turn") as bar:
+        for turn in range(config.max_user_turns):
+            active = [i for i, p in enumerate(prompts) if len(p) > turn]
+            for start in range(0, len(active), config.generation_batch_size):
+                batch = active[start:start + config.generation_batch_size]
+                for i in batch:
+                    dialogues[i].append({"role": "user", "content": prompts[i][turn]})
+                texts = [tokenizer.apply_chat_template(dialogues[i], tokenize=False, add_generation_prompt=True) for i in batch]
+                encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+                sampling = dict(do_sample=True, temperature=config.generation_temperature) if config.generation_temperature > 0 else dict(do_sample=False)
+                torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
+                output = model.generate(**encoded, max_new_tokens=config.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+                for row, i in enumerate(batch):
+                    reply = tokenizer.decode(output[row, encoded["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+                    dialogues[i].append({"role": "assistant", "content": reply})
+                bar.update(len(batch))
+    return dialogues
+
+
+def template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> Document:
+    """Chat-template ids with a loss mask on assistant turns only (template prefix arithmetic)."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for end in range(1, len(messages) + 1):
+        full = template_ids(tokenizer, messages[:end])
+        prompt = template_ids(tokenizer, messages[: end - 1], add_generation_prompt=True) if messages[end - 1]["role"] == "assistant" else full
+        if full[: len(prompt)] != prompt or prompt[: len(ids)] != ids:
+            raise ValueError("the chat template does not render conversations as token prefixes; cannot build an assistant mask")
+        mask += [0] * (len(prompt) - len(ids)) + [1] * (len(full) - len(prompt))
+        ids = full
+    return Document(ids[:max_length], mask[:max_length])
+
+
+def pack_documents(documents: list[Document], row_length: int) -> tuple[list[PackedRow], list[list[int]]]:
+    """Greedy first-fit in order: packed rows (features still empty) and the document indices of each row."""
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for index, doc in enumerate(documents):
+        for r, size in enumerate(used):
+            if size + len(doc.input_ids) <= row_length:
+                rows[r].append(index)
+                used[r] += len(doc.input_ids)
+                break
+        else:
+            rows.append([index])
+            used.append(len(doc.input_ids))
+    return [pack_row([documents[i] for i in members], row_length) for members in rows], rows
+
+
+def pack_row(documents: list[Document], row_length: int) -> PackedRow:
+    input_ids = torch.zeros(row_length, dtype=torch.long)
+    loss_mask = torch.zeros(row_length)
+    document_ids = torch.full((row_length,), -1, dtype=torch.long)
+    position_ids = torch.zeros(row_length, dtype=torch.long)
+    start = 0
+    for doc_index, doc in enumerate(documents):
+        size = len(doc.input_ids)
+        input_ids[start:start + size] = torch.tensor(doc.input_ids)
+        loss_mask[start:start + size] = torch.tensor(doc.loss_mask, dtype=torch.float)
+        document_ids[start:start + size] = doc_index
+        position_ids[start:start + size] = torch.arange(size)
+        start += size
+    empty = torch.empty(row_length, 0)
+    return PackedRow(input_ids, loss_mask, document_ids, position_ids, empty, empty)
+
+
+@dataclass
+class PreparedData:
+    """Tokenised train and validation documents plus the identity that keys every cache."""
+
+    train: list[Document]
+    validation: list[Document]
+    dataset_id: str
+    dataset_hash: str
+    config: DataConfig
+
+
+def prepare_documents(target, config: DataConfig, cache_dir: Path) -> PreparedData:
+    """Load, regenerate (cached per target + data config) and tokenise; split off a fixed validation set."""
+    config.validate()
+    key = stable_hash({"target": target.weights_hash, "data": asdict(config)})
+    cache = cache_dir / "data" / f"documents-{key}.json"
+    if cache.exists():
+        payload = json.loads(cache.read_text())
+    else:
+        conversations = load_conversations(config, cache_dir)
+        if config.regenerate:
+            conversations = regenerate(target, conversations, config)
+        else:
+            conversations = [trim_to_user_turns(c, config.max_user_turns) for c in conversations]
+        documents = [asdict(tokenize_conversation(target.tokenizer, c, config.max_length)) for c in tqdm(conversations, desc="tokenising", unit="conv")]
+        payload = {"documents": documents, "conversations": conversations}
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(payload))
+        os.replace(tmp, cache)
+    documents = [Document(**d) for d in payload["documents"]]
+    documents = [d for d in documents if sum(d.loss_mask) > 0]
+    validation, train = documents[: config.num_validation], documents[config.num_validation:]
+    return PreparedData(train, validation, config.dataset, stable_hash(payload["documents"]), config)
+
+
+def trim_to_user_turns(conversation: list[dict], max_user_turns: int) -> list[dict]:
+    """Keep the dataset's own turns up to the assistant reply of the n-th user turn."""
+    kept, users = [], 0
+    for message in conversation:
+        if message["role"] == "user":
+            users += 1
+            if users > max_user_turns:
+                break
+        kept.append(message)
+    return kept

