@@ -26,6 +26,7 @@ class DataConfig:
     """Which conversations, how they are regenerated, and how they are cut and packed."""
 
     dataset: str = "chitchat"  # embedded name, a JSONL file of {"messages": [...]}, or an HF dataset id
+    split: str = "train"
     num_conversations: int = 240
     num_validation: int = 24
     max_user_turns: int = 1
@@ -91,7 +92,7 @@ def load_conversations(config: DataConfig, cache_dir: Path) -> list[list[dict]]:
         source = dict(path="json", data_files=config.dataset)
     else:
         source = dict(path=config.dataset)
-    table = datasets.load_dataset(**source, split="train")
+    table = datasets.load_dataset(**source, split=config.split)
     if "messages" not in table.column_names:
         raise ValueError(f"dataset {config.dataset!r} has no 'messages' column (columns: {table.column_names})")
     order = list(range(len(table)))

@@ -160,3 +160,16 @@ def load_target(name_or_path: str, cache_dir: Path, mask_token_id: int | None = 
     spec = target_spec(model.config, name_or_path)
     mask_id, reason = choose_mask_token(tokenizer, mask_token_id, spec.vocab_size)
     return Target(name_or_path, source, weights_hash[:16], model, tokenizer, spec, mask_id, reason)
+
+
+def target_config(name_or_path: str, cache_dir: Path):
+    """The target's HF config alone (no weights): for dry runs and shape checks."""
+    from transformers import AutoConfig
+
+    if name_or_path in EMBEDDED_TARGETS:
+        converted = cache_dir / "targets" / name_or_path
+        if (converted / "config.json").exists():
+            return AutoConfig.from_pretrained(converted)
+        gguf = embedded_gguf_path(name_or_path)
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return AutoConfig.from_pretrained(name_or_path)

@@ -1,0 +1,97 @@
+"""Servable checkpoints: Z Lab native tensors (bf16, exact names) plus one dual native/speculators config (spec §8)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from algorithms.dflash import DFlashDraft
+from algorithms.dflash2 import DFlash2Draft
+
+SPECULATORS_VERSION = "0.9.0"
+
+
+def qwen3_fields(draft: DFlashDraft) -> dict:
+    """The draft decoder as a Qwen3 config (top level of config.json and `transformer_layer_config`)."""
+    cfg, target = draft.config, draft.config.target
+    return {
+        "model_type": "qwen3", "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": target.num_attention_heads,
+        "num_key_value_heads": target.num_key_value_heads, "head_dim": target.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": target.rms_norm_eps, "vocab_size": target.vocab_size,
+        "max_position_embeddings": target.max_position_embeddings, "attention_bias": False, "attention_dropout": 0.0,
+        "initializer_range": 0.02, "rope_theta": target.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": target.rope_theta},
+        "layer_types": ["sliding_attention"] * cfg.num_layers, "sliding_window": cfg.sliding_window,
+        "use_sliding_window": True, "max_window_layers": cfg.num_layers, "tie_word_embeddings": False,
+        "is_causal": cfg.causal_blocks,
+    }
+
+
+def checkpoint_config(draft: DFlashDraft, verifier_name_or_path: str) -> dict:
+    """One config.json that Z Lab dflash, speculators and vLLM all read (spec §8.2-8.4)."""
+    cfg, target, shared = draft.config, draft.config.target, draft.shared
+    is_dflash2 = isinstance(draft, DFlash2Draft)
+    algorithm = "dflash2" if is_dflash2 else "dflash"
+    architecture = "DFlash2DraftModel" if is_dflash2 else "DFlashDraftModel"
+    transform = {}
+    if target.output_multiplier != 1.0:
+        transform["output_multiplier"] = target.output_multiplier
+    if target.final_logit_softcapping:
+        transform["final_logit_softcapping"] = target.final_logit_softcapping
+    if target.input_embedding_scale != 1.0:
+        transform["input_embedding_scale"] = target.input_embedding_scale
+    selector = {}
+    if is_dflash2:
+        knobs = draft.knobs
+        selector = {
+            "conv_kernel_size": knobs.conv_kernel_size, "conv_group_size": knobs.conv_group_size,
+            "selector_rank": knobs.selector_rank, "selector_top_k": knobs.selector_top_k,
+        }
+    layer = qwen3_fields(draft)
+    speculative_tokens = cfg.block_size - shared.first_draft_slot
+    return {
+        "architectures": [architecture], **layer, "dtype": "bfloat16",
+        "num_target_layers": target.num_hidden_layers,
+        "dflash_config": {
+            "block_size": cfg.block_size, "target_layer_ids": [i - 1 for i in cfg.target_layer_ids],
+            "mask_token_id": cfg.mask_token_id, **selector, **transform,
+        },
+        "speculators_model_type": algorithm, "speculators_version": SPECULATORS_VERSION,
+        "aux_hidden_state_layer_ids": list(cfg.target_layer_ids), "draft_vocab_size": target.vocab_size,
+        "block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
+        "sample_from_anchor": shared.sample_from_anchor, "sliding_window_non_causal": not cfg.causal_blocks,
+        "target_hidden_size": None, **selector, **transform,
+        "transformer_layer_config": layer,
+        "speculators_config": {
+            "algorithm": algorithm, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens, "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(target.architectures)},
+        },
+    }
+
+
+def export_checkpoint(draft: DFlashDraft, out_dir: Path, verifier_name_or_path: str) -> Path:
+    """Write model.safetensors (bf16, no embed/head) and config.json into `out_dir`, atomically."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {name: value.detach().to(torch.bfloat16).cpu().contiguous() for name, value in draft.state_dict().items()}
+    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(checkpoint_config(draft, verifier_name_or_path), indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def load_exported_weights(draft: DFlashDraft, checkpoint_dir: Path) -> DFlashDraft:
+    """Load an exported checkpoint's tensors back into a draft of the same shape (strict)."""
+    state = load_file(Path(checkpoint_dir) / "model.safetensors")
+    draft.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    return draft
