@@ -242,7 +242,7 @@ def _loop(config, workspace, draft, optimizer, schedule, anchor_generator, start
         with autocast(device):
             output = draft.training_forward(row, _to(anchors, device))
         if not torch.isfinite(output.loss):
-            raise NonFiniteLoss(f"non-finite loss {float(output.loss)} at step {step + 1}; last good checkpoint kept at {checkpoint_path}")
+            raise NonFiniteLoss(f"non-finite loss {float(output.loss.detach())} at step {step + 1}; last good checkpoint kept at {checkpoint_path}")
         optimizer.zero_grad(set_to_none=True)
         output.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), config.train.grad_clip)

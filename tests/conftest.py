@@ -75,3 +75,35 @@ def row() -> PackedRow:
 
 def anchors_for(row: PackedRow, block_size: int = 4, max_anchors: int = 8, seed: int = 0):
     return sample_anchors(row.loss_mask, row.document_ids, block_size, max_anchors, torch.Generator().manual_seed(seed))
+
+
+# ---- the embedded real target (slow tests) --------------------------------------------------------
+
+def e2e_run_config(algorithm: str = "dflash2", **train_overrides):
+    """The small preset, shrunk further so end-to-end tests fit CI; real target, real data."""
+    import dataclasses
+
+    from harness.presets import preset_run
+
+    config = preset_run("small", algorithm, "smollm2-135m")
+    config.data = dataclasses.replace(config.data, num_conversations=40, num_validation=8, max_new_tokens=48, row_length=512, max_length=192)
+    config.algorithm = config.algorithm.replace(max_anchors=16)
+    config.train = dataclasses.replace(config.train, **{"max_steps": 4, "eval_every": 2, "log_every": 1, "checkpoint_every": 2, **train_overrides})
+    return config
+
+
+@pytest.fixture(scope="session")
+def e2e_workdir(tmp_path_factory):
+    """One work directory per session (DFLASH_LAB_TEST_WORKDIR reuses one across sessions)."""
+    import os
+    from pathlib import Path
+
+    reuse = os.environ.get("DFLASH_LAB_TEST_WORKDIR")
+    return Path(reuse) if reuse else tmp_path_factory.mktemp("work")
+
+
+@pytest.fixture(scope="session")
+def e2e_workspace(e2e_workdir):
+    from harness.train import prepare_workspace
+
+    return prepare_workspace(e2e_run_config(), e2e_workdir)
