@@ -32,7 +32,7 @@ def draft_config(config: AlgorithmConfig, target: TargetSpec) -> DraftConfig:
         raise knob_error("mask_token_id", None, f"an existing token id in [0, {target.vocab_size}) (no vocabulary resize)")
     knobs = config.knobs
     is_dflash2 = isinstance(knobs, DFlash2Knobs)
-    return DraftConfig(
+    resolved = DraftConfig(
         target=target,
         num_layers=shared.num_draft_layers,
         block_size=shared.block_size,
@@ -43,6 +43,8 @@ def draft_config(config: AlgorithmConfig, target: TargetSpec) -> DraftConfig:
         conv_kernel_size=knobs.conv_kernel_size if is_dflash2 else None,
         conv_group_size=knobs.conv_group_size if is_dflash2 else None,
     )
+    resolved.validate()
+    return resolved
 
 
 def build_draft(config: AlgorithmConfig, target: TargetSpec, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> DFlashDraft:

@@ -202,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", type=Path, help="output directory (default: <run>/export)")
     export.set_defaults(handler=cmd_export)
 
+    from reports.cli import add_report_command
+    from studies.cli import add_study_command
+
+    add_study_command(commands, add_common)
+    add_report_command(commands, add_common)
+
     return parser
 
 

@@ -106,6 +106,21 @@ def autocast(device: str):
     return torch.autocast("cpu", enabled=False)
 
 
+@torch.no_grad()
+def draft_step_ms(draft: DFlashDraft, rows: list[PackedRow], device: str, repeats: int = 8) -> float:
+    """Median wall time of one inference draft step (one block over real validation context)."""
+    draft.eval()
+    row = rows[0].to(device)
+    context = int((row.document_ids == row.document_ids[0]).sum()) - 1
+    timings = []
+    for _ in range(repeats + 2):
+        started = time.perf_counter()
+        draft.propose(row.features[:context], row.position_ids[:context], int(row.input_ids[context]), context)
+        timings.append((time.perf_counter() - started) * 1000)
+    draft.train()
+    return sorted(timings[2:])[repeats // 2]
+
+
 @dataclass
 class TrainResult:
     run_id: str
@@ -113,6 +128,7 @@ class TrainResult:
     validation: dict[str, float]
     history: list[dict] = field(default_factory=list)
     draft: DFlashDraft | None = None
+    stopped_reason: str | None = None
 
 
 def run_directory(workdir: Path, run_name: str) -> Path:
@@ -148,10 +164,10 @@ def train(
     device: str = "cpu",
     tags: dict[str, str] | None = None,
     parent_run_id: str | None = None,
-    on_validation: Callable[[int, dict[str, float]], None] | None = None,
+    on_validation: Callable[[int, dict[str, float]], str | None] | None = None,
     experiment: str = tracking.DEFAULT_EXPERIMENT,
 ) -> TrainResult:
-    """Train one draft; `on_validation(step, metrics)` may raise to stop early (e.g. a pruned trial)."""
+    """Train one draft. `on_validation(step, metrics)` may return a reason to stop early (e.g. a pruned trial)."""
     import mlflow
 
     config = with_target_defaults(config, workspace.target)
@@ -209,13 +225,20 @@ def train(
             history.append({"step": 0, **initial})
         result = _loop(config, workspace, draft, optimizer, schedule, anchor_generator, start_step, history,
                        run_id, run_name, checkpoint_path, device, on_validation)
+        if result.stopped_reason:
+            mlflow.set_tag(tracking.TAG_STATUS_REASON, result.stopped_reason)
+            mlflow.end_run(status="KILLED")
+            return result
+        step_ms = draft_step_ms(draft, workspace.validation_rows, device)
+        result.validation["draft_step_ms"] = step_ms
+        mlflow.log_metric(f"{tracking.VAL_PREFIX}draft_step_ms", step_ms, step=config.train.max_steps)
         _finish(config, result, run_dir, draft)
         return result
     except NonFiniteLoss as error:
         mlflow.set_tag(tracking.TAG_STATUS_REASON, str(error))
         mlflow.end_run(status="FAILED")
         raise
-    except BaseException as error:  # a kill or a pruned trial: record why, keep the checkpoint
+    except BaseException as error:  # a kill or a crash: record why, keep the last checkpoint
         mlflow.set_tag(tracking.TAG_STATUS_REASON, f"{type(error).__name__}: {error}")
         mlflow.end_run(status="KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
         raise
@@ -267,8 +290,10 @@ def _loop(config, workspace, draft, optimizer, schedule, anchor_generator, start
             history.append({"step": done, **validation})
             log.info("step %d: val realized %.3f unary %.3f oracle %.3f", done, validation["realized_accepted_length"],
                      validation["unary_accepted_length"], validation["oracle_accepted_length"])
-            if on_validation is not None:
-                on_validation(done, validation)
+            stop = on_validation(done, validation) if on_validation is not None else None
+            if stop:
+                bar.close()
+                return TrainResult(run_id, checkpoint_path.parent, validation, history, draft, stopped_reason=stop)
         if done % config.train.checkpoint_every == 0 or done == steps:
             save_checkpoint(checkpoint_path, {
                 "model": draft.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict(),

@@ -1,0 +1,32 @@
+"""Build a study's report from the tracking store and log it to the study's parent run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness import tracking
+from reports.collect import collect
+from reports.render import render, render_comparison
+
+
+def build_report(study: str, workdir: Path, out_root: Path = Path("reports")) -> Path:
+    """Write <out_root>/<study>/README.md plus its PNGs, and log them as parent-run artifacts."""
+    import mlflow
+
+    record = collect(study, workdir)
+    out_dir = out_root / study
+    markdown = render(record, out_dir)
+    path = out_dir / "README.md"
+    path.write_text(markdown)
+    client = mlflow.MlflowClient(tracking.tracking_uri(workdir))
+    for artifact in [path, *sorted(out_dir.glob("*.png"))]:
+        client.log_artifact(record.parent["run_id"], str(artifact), artifact_path="report")
+    return path
+
+
+def build_comparison(first: str, second: str, workdir: Path, out_root: Path = Path("reports")) -> Path:
+    markdown = render_comparison(collect(first, workdir), collect(second, workdir))
+    path = out_root / f"compare-{first}-vs-{second}" / "README.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(markdown)
+    return path

@@ -1,0 +1,32 @@
+"""`dflash-lab report <study>` and `dflash-lab report --compare A B`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from reports.build import build_comparison, build_report
+
+    try:
+        if args.compare:
+            path = build_comparison(args.compare[0], args.compare[1], args.workdir, args.out)
+        elif args.study:
+            path = build_report(args.study, args.workdir, args.out)
+        else:
+            raise SystemExit("error: name a study, or pass --compare STUDY_A STUDY_B")
+    except LookupError as error:
+        raise SystemExit(f"error: {error}") from None
+    print(f"Report: {path}")
+    return 0
+
+
+def add_report_command(commands, add_common) -> None:
+    report = commands.add_parser("report", help="markdown ablation report from what MLflow recorded",
+                                 description="Write reports/<study>/README.md and figures from the tracking store alone.")
+    add_common(report)
+    report.add_argument("study", nargs="?", help="study name")
+    report.add_argument("--compare", nargs=2, metavar=("STUDY_A", "STUDY_B"), help="two studies side by side")
+    report.add_argument("--out", type=Path, default=Path("reports"), help="output root (default: ./reports)")
+    report.set_defaults(handler=cmd_report)

@@ -1,0 +1,94 @@
+"""`dflash-lab study launch|status|list`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from harness import tracking
+    from studies.runner import launch
+    from studies.schema import StudyDefinitionError, load_study
+
+    try:
+        definition = load_study(args.file)
+    except (FileNotFoundError, StudyDefinitionError) as error:
+        raise SystemExit(f"error: {error}") from None
+    if args.n_jobs < 1:
+        raise SystemExit(f"error: invalid --n-jobs={args.n_jobs}: allowed an integer >= 1")
+    summary = launch(definition, args.file, args.workdir, args.storage, args.device, args.n_jobs, args.worker)
+    if args.worker:
+        return 0
+    print(json.dumps(summary, indent=2, default=str))
+    if not args.no_report:
+        from reports.build import build_report
+
+        report = build_report(definition.name, args.workdir)
+        print(f"Report: {report}")
+    print(f"MLflow UI: {tracking.ui_command(args.workdir)}  (experiment {definition.name!r})")
+    print(f"Regenerate the report any time with: dflash-lab report {definition.name} --workdir {args.workdir}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import optuna
+
+    from studies.runner import ATTR_FAIL_REASON, ATTR_INFEASIBLE, ATTR_PRUNED, ATTR_RUN_ID, storage_url
+
+    try:
+        study = optuna.load_study(study_name=args.name, storage=storage_url(args.workdir, args.storage))
+    except KeyError:
+        raise SystemExit(f"error: no study named {args.name!r} in {storage_url(args.workdir, args.storage)}; see `dflash-lab study list`") from None
+    print(f"study {study.study_name}: directions {[d.name.lower() for d in study.directions]}")
+    print(f"{'trial':>5}  {'state':9}  {'value':>8}  params / reason")
+    for trial in study.get_trials(deepcopy=False):
+        value = "" if trial.values is None else ",".join(f"{v:.3f}" for v in trial.values)
+        reason = trial.user_attrs.get(ATTR_INFEASIBLE) or trial.user_attrs.get(ATTR_PRUNED) or trial.user_attrs.get(ATTR_FAIL_REASON) or ""
+        run = trial.user_attrs.get(ATTR_RUN_ID, "")
+        print(f"{trial.number:>5}  {trial.state.name:9}  {value:>8}  {trial.params} {reason} {('mlflow ' + run) if run else ''}".rstrip())
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    import optuna
+
+    from studies.runner import storage_url
+
+    url = storage_url(args.workdir, args.storage)
+    summaries = optuna.get_all_study_summaries(storage=url)
+    if not summaries:
+        print(f"no studies in {url}")
+    for summary in summaries:
+        best = "" if summary.best_trial is None else f" best {summary.best_trial.values}"
+        started = summary.datetime_start.strftime("%Y-%m-%d %H:%M") if summary.datetime_start else "-"
+        print(f"{summary.study_name}: {summary.n_trials} trials, started {started}{best}")
+    return 0
+
+
+def add_study_command(commands, add_common) -> None:
+    study = commands.add_parser("study", help="launch and inspect Optuna ablation studies",
+                                description="Optuna ablation studies over DFlash2's conv and selector knobs.")
+    sub = study.add_subparsers(dest="study_command", required=True)
+
+    launch = sub.add_parser("launch", help="create or resume a study from its YAML file",
+                            description="Create or resume a study, run its baselines and trials, and write the report.")
+    add_common(launch)
+    launch.add_argument("file", type=Path, help="study definition (YAML), e.g. studies/default.yaml")
+    launch.add_argument("--storage", help="Optuna storage URL (default: sqlite in the workdir; postgresql://... for many workers)")
+    launch.add_argument("--n-jobs", type=int, default=1, help="worker processes on this machine (default: 1)")
+    launch.add_argument("--worker", action="store_true", help="join an existing study as an extra worker (no baselines, no report)")
+    launch.add_argument("--no-report", action="store_true", help="skip the markdown report at the end")
+    launch.set_defaults(handler=cmd_launch)
+
+    status = sub.add_parser("status", help="trials of one study with states, values and reasons")
+    add_common(status)
+    status.add_argument("name", help="study name")
+    status.add_argument("--storage", help="Optuna storage URL (default: sqlite in the workdir)")
+    status.set_defaults(handler=cmd_status)
+
+    listing = sub.add_parser("list", help="every study in the storage")
+    add_common(listing)
+    listing.add_argument("--storage", help="Optuna storage URL (default: sqlite in the workdir)")
+    listing.set_defaults(handler=cmd_list)

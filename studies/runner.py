@@ -1,0 +1,323 @@
+"""Optuna study runner: a trial is one harness run with knobs the sampler chose; nothing more.
+
+One MLflow parent run per study, one nested child run per trial and per baseline. Optuna's RDB
+storage (SQLite by default, PostgreSQL for many workers) makes studies resumable and shareable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import optuna
+
+from algorithms.registry import draft_config
+from harness import tracking
+from harness.config import RunConfig
+from harness.train import Workspace, prepare_workspace, run_directory, train, with_target_defaults
+from studies.schema import StudyDefinition, StudyDefinitionError, default_dflash2_knobs
+
+log = logging.getLogger(__name__)
+ATTR_PARENT_RUN = "mlflow_parent_run_id"
+ATTR_DEFINITION = "definition_yaml"
+ATTR_RUN_ID = "mlflow_run_id"
+ATTR_FAIL_REASON = "fail_reason"
+ATTR_INFEASIBLE = "infeasible_reason"
+ATTR_PRUNED = "pruned_reason"
+ATTR_INTERRUPTED = "interrupted"
+ATTR_ORIGIN = "origin_trial"  # the first trial number of a retried config: its run name, so the run resumes
+TAG_BASELINE = "dflash_lab.baseline"
+
+
+def storage_url(workdir: Path, storage: str | None) -> str:
+    return storage or f"sqlite:///{(workdir / 'optuna.db').resolve()}"
+
+
+def make_storage(url: str) -> optuna.storages.RDBStorage:
+    """RDB storage with heartbeats: a killed worker's trial is failed and re-queued with the same params."""
+    return optuna.storages.RDBStorage(
+        url, heartbeat_interval=20, grace_period=60, heartbeat_stale_trial_callback=_requeue_interrupted,
+        engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
+    )
+
+
+def _requeue_interrupted(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+    """Mark a dead worker's trial as interrupted and queue the same params; the retry resumes its run."""
+    study._storage.set_trial_user_attr(trial._trial_id, ATTR_INTERRUPTED, True)
+    study.add_trial(optuna.create_trial(
+        state=optuna.trial.TrialState.WAITING, params=trial.params, distributions=trial.distributions,
+        user_attrs={ATTR_ORIGIN: trial.user_attrs.get(ATTR_ORIGIN, trial.number)},
+    ))
+
+
+def make_sampler(definition: StudyDefinition) -> optuna.samplers.BaseSampler:
+    if definition.sampler == "grid":
+        grid = {d.knob: d.grid_values() for d in definition.search_space}
+        return optuna.samplers.GridSampler(grid, seed=definition.sampler_seed)
+    if definition.sampler == "random":
+        return optuna.samplers.RandomSampler(seed=definition.sampler_seed)
+    return optuna.samplers.TPESampler(seed=definition.sampler_seed, multivariate=True)
+
+
+def make_pruner(definition: StudyDefinition) -> optuna.pruners.BasePruner:
+    if definition.pruner == "none" or len(definition.objectives) > 1:  # Optuna cannot prune multi-objective trials
+        return optuna.pruners.NopPruner()
+    if definition.pruner == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=max(1, definition.base.train.eval_every), max_resource=definition.steps_per_trial)
+    return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=definition.pruner_warmup_steps)
+
+
+def open_study(definition: StudyDefinition, url: str) -> optuna.Study:
+    """Create or resume; a stored study with a different definition is an error, not a silent mix."""
+    study = optuna.create_study(
+        study_name=definition.name, storage=make_storage(url), directions=definition.directions,
+        sampler=make_sampler(definition), pruner=make_pruner(definition), load_if_exists=True,
+    )
+    stored = study.user_attrs.get(ATTR_DEFINITION)
+    if stored is None:
+        study.set_user_attr(ATTR_DEFINITION, definition.source_text)
+    elif stored != definition.source_text:
+        raise StudyDefinitionError(
+            f"study {definition.name!r} already exists in {url} with a different definition; rename the study or restore the file"
+        )
+    return study
+
+
+def finished_count(study: optuna.Study) -> int:
+    """Trials that used budget: complete, pruned, or failed for a reason other than an interruption."""
+    states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
+    return sum(1 for t in study.get_trials(deepcopy=False, states=states) if not t.user_attrs.get(ATTR_INTERRUPTED))
+
+
+def trial_config(definition: StudyDefinition, params: dict, algorithm: str = "dflash2", seed: int | None = None) -> RunConfig:
+    base = definition.base
+    train_config = dataclasses.replace(base.train, max_steps=definition.steps_per_trial, seed=base.train.seed if seed is None else seed)
+    if algorithm == "dflash":
+        knobs = base.to_dict()
+        knobs.update(algorithm="dflash", knobs={"metrics_top_k": params.get("selector_top_k", base.algorithm.knobs.selector_top_k)})
+        config = RunConfig.from_dict(knobs)
+    else:
+        config = RunConfig(base.algorithm.replace(**params), base.train, base.data, base.target)
+    config.train = train_config
+    return config
+
+
+@dataclass
+class StudyRunner:
+    definition: StudyDefinition
+    workspace: Workspace
+    study: optuna.Study
+    parent_run_id: str
+    device: str = "cpu"
+
+    @property
+    def workdir(self) -> Path:
+        return self.workspace.workdir
+
+    def _run(self, config: RunConfig, run_name: str, tags: dict, on_validation=None):
+        resume = (run_directory(self.workdir, run_name) / "checkpoint.pt").exists()
+        return train(config, self.workspace, run_name=run_name, resume=resume, device=self.device,
+                     tags={tracking.TAG_STUDY: self.definition.name, **tags}, parent_run_id=self.parent_run_id,
+                     on_validation=on_validation, experiment=self.definition.name)
+
+    def run_baselines(self) -> None:
+        """Plain DFlash with the same shared knobs, and DFlash2 at the published knob values; per seed; once."""
+        done = self.study.user_attrs.get("baselines_done", [])
+        defaults = {k: v for k, v in default_dflash2_knobs().items() if k != "selector_init"}
+        for seed in self.definition.seeds:
+            for baseline in self.definition.baselines:
+                name = f"{self.definition.name}-baseline-{baseline}-seed{seed}"
+                if name in done:
+                    continue
+                algorithm = "dflash" if baseline == "dflash" else "dflash2"
+                config = trial_config(self.definition, defaults, algorithm, seed)
+                print(f"[baseline] {baseline} seed {seed}: {config.algorithm.algorithm} {defaults if algorithm == 'dflash2' else ''}", flush=True)
+                result = self._run(config, name, {TAG_BASELINE: baseline, tracking.TAG_ROLE: "baseline"})
+                print(f"[baseline] {baseline} seed {seed}: " + _summary(result.validation), flush=True)
+                done = [*done, name]
+                self.study.set_user_attr("baselines_done", done)
+
+    def objective(self, trial: optuna.Trial):
+        params = {}
+        for dim in self.definition.search_space:
+            if dim.kind == "categorical":
+                params[dim.knob] = trial.suggest_categorical(dim.knob, dim.choices)
+            elif dim.kind == "int":
+                params[dim.knob] = trial.suggest_int(dim.knob, int(dim.low), int(dim.high), log=dim.log, step=dim.step or 1)
+            else:
+                params[dim.knob] = trial.suggest_float(dim.knob, float(dim.low), float(dim.high), log=dim.log)
+        number = trial.user_attrs.get(ATTR_ORIGIN, trial.number)
+        config = trial_config(self.definition, params)
+        tags = {tracking.TAG_TRIAL: str(trial.number), tracking.TAG_ROLE: "trial"}
+        try:
+            draft_config(with_target_defaults(config, self.workspace.target).algorithm, self.workspace.target.spec)
+        except ValueError as error:
+            self._record_infeasible(trial, params, tags, str(error))
+            raise optuna.TrialPruned(f"infeasible: {error}") from None
+
+        eta = self._eta()
+        print(f"[trial {trial.number}] {params}{eta}", flush=True)
+        started = time.time()
+
+        def on_validation(step: int, metrics: dict[str, float]) -> str | None:
+            trial.report(metrics["realized_accepted_length"], step)
+            if len(self.definition.objectives) == 1 and trial.should_prune():
+                return f"pruned by {type(self.study.pruner).__name__} at step {step} (realized {metrics['realized_accepted_length']:.3f})"
+            return None
+
+        try:
+            result = self._run(config, f"{self.definition.name}-trial-{number}", tags, on_validation)
+        except Exception as error:
+            trial.set_user_attr(ATTR_FAIL_REASON, f"{type(error).__name__}: {error}")
+            print(f"[trial {trial.number}] failed: {type(error).__name__}: {error}", flush=True)
+            raise
+        trial.set_user_attr(ATTR_RUN_ID, result.run_id)
+        if result.stopped_reason:
+            trial.set_user_attr(ATTR_PRUNED, result.stopped_reason)
+            print(f"[trial {trial.number}] {result.stopped_reason}", flush=True)
+            raise optuna.TrialPruned(result.stopped_reason)
+        print(f"[trial {trial.number}] {_summary(result.validation)} in {time.time() - started:.0f}s", flush=True)
+        values = [result.validation[o] for o in self.definition.objectives]
+        return values[0] if len(values) == 1 else values
+
+    def _record_infeasible(self, trial: optuna.Trial, params: dict, tags: dict, reason: str) -> None:
+        import mlflow
+
+        trial.set_user_attr(ATTR_INFEASIBLE, reason)
+        print(f"[trial {trial.number}] infeasible {params}: {reason}", flush=True)
+        with mlflow.start_run(run_name=f"{self.definition.name}-trial-{trial.number}", parent_run_id=self.parent_run_id, nested=True,
+                              experiment_id=mlflow.get_experiment_by_name(self.definition.name).experiment_id,
+                              tags={tracking.TAG_STUDY: self.definition.name, **tags, tracking.TAG_STATUS_REASON: f"infeasible: {reason}"}) as run:
+            mlflow.log_params({f"algo.{k}": v for k, v in params.items()})
+            trial.set_user_attr(ATTR_RUN_ID, run.info.run_id)
+        mlflow.MlflowClient().set_terminated(run.info.run_id, status="KILLED")
+
+    def _eta(self) -> str:
+        durations = [(t.datetime_complete - t.datetime_start).total_seconds() for t in self.study.get_trials(deepcopy=False)
+                     if t.datetime_complete and t.datetime_start and t.state == optuna.trial.TrialState.COMPLETE]
+        remaining = max(0, self.definition.n_trials - finished_count(self.study))
+        if not durations:
+            return f" ({remaining} trials left)"
+        return f" ({remaining} trials left, ETA {sum(durations) / len(durations) * remaining / 60:.1f} min)"
+
+    def optimize(self) -> None:
+        definition = self.definition
+
+        def stop_when_budget_used(study: optuna.Study, _trial) -> None:
+            if finished_count(study) >= definition.n_trials:
+                study.stop()
+
+        if finished_count(self.study) >= definition.n_trials:
+            return
+        if definition.sampler == "grid":  # stop a grid once every cell is tried, whatever n_trials says
+            cells = 1
+            for dim in definition.search_space:
+                cells *= len(dim.grid_values())
+            if finished_count(self.study) >= cells:
+                return
+        self.study.optimize(self.objective, timeout=definition.timeout_s, callbacks=[stop_when_budget_used],
+                            catch=(Exception,), gc_after_trial=True)
+
+    def finalize(self) -> dict:
+        """Best values and importances on the parent run; returns the summary printed to the user."""
+        import mlflow
+
+        summary: dict = {"study": self.definition.name, "trials": {}}
+        for state in optuna.trial.TrialState:
+            count = len(self.study.get_trials(deepcopy=False, states=(state,)))
+            if count:
+                summary["trials"][state.name.lower()] = count
+        completed = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        client = mlflow.MlflowClient()
+        if completed:
+            if len(self.definition.objectives) == 1:
+                best = self.study.best_trial
+                summary["best"] = {"trial": best.number, "value": best.value, "params": best.params, "mlflow_run_id": best.user_attrs.get(ATTR_RUN_ID)}
+                client.log_metric(self.parent_run_id, f"best/{self.definition.objectives[0]}", best.value)
+                client.set_tag(self.parent_run_id, "dflash_lab.best_trial", str(best.number))
+            else:
+                summary["pareto_front"] = [{"trial": t.number, "values": t.values, "params": t.params} for t in self.study.best_trials]
+            try:
+                importances = optuna.importance.get_param_importances(self.study, target=(lambda t: t.values[0]) if len(self.definition.objectives) > 1 else None)
+            except (RuntimeError, ValueError, ZeroDivisionError) as error:
+                importances, summary["importance_note"] = {}, f"not computable: {error}"
+            summary["importances"] = importances
+            for knob, value in importances.items():
+                client.log_metric(self.parent_run_id, f"importance/{knob}", value)
+        path = self.workdir / "studies" / self.definition.name / "summary.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=2, default=str))
+        client.log_artifact(self.parent_run_id, str(path))
+        return summary
+
+
+def _summary(values: dict[str, float]) -> str:
+    return " ".join(f"{name.split('_accepted')[0]}={values[name]:.3f}" for name in
+                    ("unary_accepted_length", "realized_accepted_length", "oracle_accepted_length") if name in values)
+
+
+def ensure_parent_run(definition: StudyDefinition, study: optuna.Study, workdir: Path) -> str:
+    """The study's MLflow parent run (created once, with the definition as an artifact)."""
+    import mlflow
+
+    experiment_id = tracking.configure(workdir, definition.name)
+    existing = study.user_attrs.get(ATTR_PARENT_RUN)
+    if existing:
+        return existing
+    client = mlflow.MlflowClient()
+    run = client.create_run(experiment_id, run_name=f"study-{definition.name}", tags={
+        tracking.TAG_STUDY: definition.name, tracking.TAG_ROLE: "study", "dflash_lab.objectives": ",".join(definition.objectives)})
+    params = {**{f"pinned.{k}": v for k, v in definition.base.flat_params().items()},
+              "study.sampler": definition.sampler, "study.pruner": definition.pruner, "study.n_trials": definition.n_trials,
+              "study.steps_per_trial": definition.steps_per_trial, "study.objectives": ",".join(definition.objectives),
+              "study.search_space": json.dumps({d.knob: dataclasses.asdict(d) for d in definition.search_space})}
+    for key, value in params.items():
+        client.log_param(run.info.run_id, key, "None" if value is None else value)
+    definition_path = workdir / "studies" / definition.name / "study.yaml"
+    definition_path.parent.mkdir(parents=True, exist_ok=True)
+    definition_path.write_text(definition.source_text)
+    client.log_artifact(run.info.run_id, str(definition_path))
+    study.set_user_attr(ATTR_PARENT_RUN, run.info.run_id)
+    return run.info.run_id
+
+
+def spawn_workers(study_file: Path, count: int, workdir: Path, url: str, device: str) -> list[subprocess.Popen]:
+    """Extra worker processes that join the same study through the shared storage."""
+    args = [sys.executable, "-m", "harness.cli", "study", "launch", str(study_file), "--worker",
+            "--workdir", str(workdir), "--storage", url, "--device", device, "--no-report"]
+    return [subprocess.Popen(args, env={**os.environ, "DFLASH_LAB_WORKER": str(i + 1)}) for i in range(count)]
+
+
+def launch(definition: StudyDefinition, study_file: Path, workdir: Path, storage: str | None = None, device: str = "cpu",
+           n_jobs: int = 1, worker: bool = False) -> dict:
+    """Create or resume the study, run baselines (launcher only) and trials, and summarise."""
+    import mlflow
+    import torch
+
+    url = storage_url(workdir, storage)
+    tracking.configure(workdir, definition.name)
+    study = open_study(definition, url)
+    parent = ensure_parent_run(definition, study, workdir)
+    if n_jobs > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // n_jobs))
+    workspace = prepare_workspace(definition.base, workdir, device)
+    mlflow.set_experiment(definition.name)
+    runner = StudyRunner(definition, workspace, study, parent, device)
+    workers = spawn_workers(study_file, n_jobs - 1, workdir, url, device) if n_jobs > 1 and not worker else []
+    if not worker:
+        runner.run_baselines()
+    runner.optimize()
+    for process in workers:
+        process.wait()
+    if worker:
+        return {"study": definition.name, "worker": True}
+    summary = runner.finalize()
+    mlflow.MlflowClient().set_terminated(parent, status="FINISHED")
+    return summary

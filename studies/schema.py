@@ -1,0 +1,183 @@
+"""Study definitions: small declarative YAML files, validated on load with one clear error per bad field."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from algorithms.knobs import DFlash2Knobs, SharedKnobs
+from harness.config import RunConfig
+
+SWEPT_KNOBS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha")
+OBJECTIVES = {"realized_accepted_length": "maximize", "draft_step_ms": "minimize"}
+SAMPLERS = ("tpe", "grid", "random")
+PRUNERS = ("median", "hyperband", "none")
+BASELINES = ("dflash", "dflash2_defaults")
+
+
+class StudyDefinitionError(ValueError):
+    """A study file with a bad field; the message names the file, the field, its value and what is allowed."""
+
+
+def _fail(path: str, field_name: str, value: Any, allowed: str) -> StudyDefinitionError:
+    return StudyDefinitionError(f"{path}: invalid field {field_name}={value!r}: allowed {allowed}")
+
+
+@dataclass
+class Dimension:
+    """One swept knob: categorical choices, or an int/float range (log scale allowed)."""
+
+    knob: str
+    kind: str  # categorical | int | float
+    choices: list[Any] | None = None
+    low: float | None = None
+    high: float | None = None
+    log: bool = False
+    step: int | None = None
+
+    def grid_values(self) -> list[Any]:
+        if self.kind == "categorical":
+            return list(self.choices)
+        if self.kind == "int" and not self.log:
+            return list(range(int(self.low), int(self.high) + 1, self.step or 1))
+        raise StudyDefinitionError(f"grid sampler needs categorical or linear int dimensions; {self.knob} is {self.kind}{' log' if self.log else ''}")
+
+
+@dataclass
+class StudyDefinition:
+    name: str
+    base: RunConfig
+    search_space: list[Dimension]
+    sampler: str = "tpe"
+    sampler_seed: int = 0
+    pruner: str = "median"
+    pruner_warmup_steps: int = 0
+    objectives: list[str] = field(default_factory=lambda: ["realized_accepted_length"])
+    n_trials: int = 8
+    timeout_s: float | None = None
+    steps_per_trial: int = 100
+    baselines: list[str] = field(default_factory=lambda: list(BASELINES))
+    seeds: list[int] = field(default_factory=lambda: [0])
+    description: str = ""
+    source_text: str = ""
+
+    @property
+    def directions(self) -> list[str]:
+        return [OBJECTIVES[o] for o in self.objectives]
+
+
+def _require_mapping(path: str, name: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise _fail(path, name, value, "a mapping")
+    return value
+
+
+def _dimension(path: str, knob: str, spec: Any) -> Dimension:
+    where = f"search_space.{knob}"
+    if knob not in SWEPT_KNOBS:
+        raise _fail(path, "search_space", knob, f"knobs from {list(SWEPT_KNOBS)}")
+    if isinstance(spec, list):
+        spec = {"type": "categorical", "choices": spec}
+    spec = _require_mapping(path, where, spec)
+    kind = spec.get("type")
+    if kind == "categorical":
+        choices = spec.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise _fail(path, f"{where}.choices", choices, "a non-empty list")
+        return Dimension(knob, kind, choices=choices)
+    if kind in ("int", "float"):
+        low, high = spec.get("low"), spec.get("high")
+        if not isinstance(low, (int, float)) or not isinstance(high, (int, float)) or low > high:
+            raise _fail(path, f"{where}.low/high", (low, high), "numbers with low <= high")
+        log = bool(spec.get("log", False))
+        if log and low <= 0:
+            raise _fail(path, f"{where}.low", low, "> 0 on a log scale")
+        return Dimension(knob, kind, low=low, high=high, log=log, step=spec.get("step"))
+    raise _fail(path, f"{where}.type", kind, "categorical, int or float")
+
+
+def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
+    data = _require_mapping(path, "<top level>", data)
+    known = {"name", "description", "target", "base", "search_space", "sampler", "pruner", "objective", "budget", "baselines", "seeds"}
+    for key in data:
+        if key not in known:
+            raise _fail(path, key, data[key], f"fields {sorted(known)}")
+    name = data.get("name")
+    if not isinstance(name, str) or not name.replace("-", "").replace("_", "").isalnum():
+        raise _fail(path, "name", name, "a name of letters, digits, '-' and '_'")
+
+    base = _require_mapping(path, "base", data.get("base"))
+    algorithm = base.get("algorithm")
+    if algorithm != "dflash2":
+        raise _fail(path, "base.algorithm", algorithm, "'dflash2' (the swept knobs are DFlash2's; dflash runs as a baseline)")
+    shared = _require_mapping(path, "base.shared", base.get("shared"))
+    missing = [f.name for f in dataclasses.fields(SharedKnobs) if f.name not in shared]
+    if missing:
+        raise _fail(path, "base.shared", sorted(shared), f"every shared knob pinned explicitly; missing {missing}")
+    try:
+        run = RunConfig.from_dict({"target": data.get("target", "smollm2-135m"), "algorithm": algorithm, **{k: base.get(k, {}) for k in ("shared", "knobs", "train", "data")}})
+        run.validate()
+    except (TypeError, ValueError) as error:
+        raise StudyDefinitionError(f"{path}: base: {error}") from None
+
+    space = _require_mapping(path, "search_space", data.get("search_space", {}))
+    dimensions = [_dimension(path, knob, spec) for knob, spec in space.items()]
+
+    sampler = _require_mapping(path, "sampler", data.get("sampler", {"type": "tpe"}))
+    if sampler.get("type") not in SAMPLERS:
+        raise _fail(path, "sampler.type", sampler.get("type"), f"one of {list(SAMPLERS)}")
+    pruner = _require_mapping(path, "pruner", data.get("pruner", {"type": "median"}))
+    if pruner.get("type") not in PRUNERS:
+        raise _fail(path, "pruner.type", pruner.get("type"), f"one of {list(PRUNERS)}")
+
+    objective = data.get("objective", "realized_accepted_length")
+    objectives = objective if isinstance(objective, list) else [objective]
+    if not objectives or any(o not in OBJECTIVES for o in objectives) or len(set(objectives)) != len(objectives):
+        raise _fail(path, "objective", objective, f"one or a list of distinct {sorted(OBJECTIVES)}")
+
+    budget = _require_mapping(path, "budget", data.get("budget", {}))
+    n_trials, timeout, steps = budget.get("n_trials", 8), budget.get("timeout_s"), budget.get("steps_per_trial", run.train.max_steps)
+    if not isinstance(n_trials, int) or n_trials < 0:
+        raise _fail(path, "budget.n_trials", n_trials, "an integer >= 0")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise _fail(path, "budget.timeout_s", timeout, "null or a number of seconds > 0")
+    if not isinstance(steps, int) or steps < 1:
+        raise _fail(path, "budget.steps_per_trial", steps, "an integer >= 1")
+
+    baselines = data.get("baselines", list(BASELINES))
+    if not isinstance(baselines, list) or any(b not in BASELINES for b in baselines):
+        raise _fail(path, "baselines", baselines, f"a list from {list(BASELINES)}")
+    seeds = data.get("seeds", [run.train.seed])
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+        raise _fail(path, "seeds", seeds, "a non-empty list of integers")
+
+    if sampler["type"] == "grid":
+        for dimension in dimensions:
+            dimension.grid_values()
+
+    return StudyDefinition(
+        name=name, base=run, search_space=dimensions, sampler=sampler["type"], sampler_seed=int(sampler.get("seed", 0)),
+        pruner=pruner["type"], pruner_warmup_steps=int(pruner.get("warmup_steps", 0)), objectives=objectives,
+        n_trials=n_trials, timeout_s=timeout, steps_per_trial=steps, baselines=baselines, seeds=seeds,
+        description=str(data.get("description", "")),
+    )
+
+
+def load_study(path: Path) -> StudyDefinition:
+    text = Path(path).read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise StudyDefinitionError(f"{path}: not valid YAML: {error}") from None
+    study = parse_study(data, str(path))
+    study.source_text = text
+    return study
+
+
+def default_dflash2_knobs() -> dict[str, Any]:
+    """The published DFlash2 knob values (spec §7), used by the `dflash2_defaults` baseline."""
+    return dataclasses.asdict(DFlash2Knobs())
