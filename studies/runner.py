@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -31,7 +32,8 @@ ATTR_RUN_ID = "mlflow_run_id"
 ATTR_FAIL_REASON = "fail_reason"
 ATTR_INFEASIBLE = "infeasible_reason"
 ATTR_PRUNED = "pruned_reason"
-ATTR_INTERRUPTED = "interrupted"
+ATTR_INTERRUPTED = "interrupted_trials"  # study attr: failed trials whose worker died (they use no budget)
+ATTR_WORKER = "worker"
 ATTR_ORIGIN = "origin_trial"  # the first trial number of a retried config: its run name, so the run resumes
 TAG_BASELINE = "dflash_lab.baseline"
 
@@ -41,19 +43,24 @@ def storage_url(workdir: Path, storage: str | None) -> str:
 
 
 def make_storage(url: str) -> optuna.storages.RDBStorage:
-    """RDB storage with heartbeats: a killed worker's trial is failed and re-queued with the same params."""
+    """RDB storage with heartbeats: a killed worker's trial is failed and re-queued with the same params.
+
+    A trial counts as dead after DFLASH_LAB_HEARTBEAT_GRACE_S seconds (default 60) without a heartbeat.
+    """
+    grace = int(os.environ.get("DFLASH_LAB_HEARTBEAT_GRACE_S", "60"))
     return optuna.storages.RDBStorage(
-        url, heartbeat_interval=20, grace_period=60, heartbeat_stale_trial_callback=_requeue_interrupted,
+        url, heartbeat_interval=max(1, grace // 3), grace_period=grace, heartbeat_stale_trial_callback=_requeue_interrupted,
         engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
     )
 
 
 def _requeue_interrupted(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-    """Mark a dead worker's trial as interrupted and queue the same params; the retry resumes its run."""
-    study._storage.set_trial_user_attr(trial._trial_id, ATTR_INTERRUPTED, True)
+    """Record a dead worker's (already failed) trial as interrupted and queue the same params; the retry resumes its run."""
+    study.set_user_attr(ATTR_INTERRUPTED, sorted({*study.user_attrs.get(ATTR_INTERRUPTED, []), trial.number}))
     study.add_trial(optuna.create_trial(
         state=optuna.trial.TrialState.WAITING, params=trial.params, distributions=trial.distributions,
         user_attrs={ATTR_ORIGIN: trial.user_attrs.get(ATTR_ORIGIN, trial.number)},
+        system_attrs=dict(trial.system_attrs),  # keeps a grid sampler's cell id, so the cell is not counted twice
     ))
 
 
@@ -93,7 +100,8 @@ def open_study(definition: StudyDefinition, url: str) -> optuna.Study:
 def finished_count(study: optuna.Study) -> int:
     """Trials that used budget: complete, pruned, or failed for a reason other than an interruption."""
     states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
-    return sum(1 for t in study.get_trials(deepcopy=False, states=states) if not t.user_attrs.get(ATTR_INTERRUPTED))
+    interrupted = set(study.user_attrs.get(ATTR_INTERRUPTED, []))
+    return sum(1 for t in study.get_trials(deepcopy=False, states=states) if t.number not in interrupted)
 
 
 def trial_config(definition: StudyDefinition, params: dict, algorithm: str = "dflash2", seed: int | None = None) -> RunConfig:
@@ -162,6 +170,12 @@ class StudyRunner:
             self._record_infeasible(trial, params, tags, str(error))
             raise optuna.TrialPruned(f"infeasible: {error}") from None
 
+        trial.set_user_attr(ATTR_WORKER, f"{socket.gethostname()}:{os.getpid()}")
+        if self.definition.sampler == "grid":
+            duplicate = self._duplicate_of(trial, params)
+            if duplicate is not None:  # two workers raced for the last grid cell
+                trial.set_user_attr(ATTR_PRUNED, f"duplicate grid cell, evaluated by trial {duplicate}")
+                raise optuna.TrialPruned(f"duplicate grid cell, evaluated by trial {duplicate}")
         eta = self._eta()
         print(f"[trial {trial.number}] {params}{eta}", flush=True)
         started = time.time()
@@ -186,6 +200,13 @@ class StudyRunner:
         print(f"[trial {trial.number}] {_summary(result.validation)} in {time.time() - started:.0f}s", flush=True)
         values = [result.validation[o] for o in self.definition.objectives]
         return values[0] if len(values) == 1 else values
+
+    def _duplicate_of(self, trial: optuna.Trial, params: dict) -> int | None:
+        busy = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
+        for other in self.study.get_trials(deepcopy=False, states=busy):
+            if other.number < trial.number and other.params == params and other.number != trial.user_attrs.get(ATTR_ORIGIN):
+                return other.number
+        return None
 
     def _record_infeasible(self, trial: optuna.Trial, params: dict, tags: dict, reason: str) -> None:
         import mlflow
