@@ -155,25 +155,57 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    import torch
-
-    from harness.config import RunConfig
     from harness.export import export_checkpoint
     from harness.targets import load_target
-    from harness.train import build_for_target
 
-    run_dir = args.run if args.run.is_dir() else args.workdir / "runs" / str(args.run)
-    checkpoint = run_dir / "checkpoint.pt"
-    if not checkpoint.exists():
-        raise SystemExit(f"error: no checkpoint at {checkpoint}; pass a run directory or a run name under {args.workdir / 'runs'}")
-    state = torch.load(checkpoint, weights_only=False)
-    config = RunConfig.from_dict(state["config"])
+    run_dir, state, config = load_checkpoint(args.run, args.workdir)
     target = load_target(config.target, args.workdir, config.algorithm.shared.mask_token_id)
-    draft = build_for_target(config, target)
-    draft.load_state_dict(state["model"])
+    draft = restore_draft(config, state, target)
     out = export_checkpoint(draft, args.out or run_dir / "export", target.source)
     print(f"exported {config.algorithm.algorithm} draft (step {state['step']}) to {out}")
     print(f"serve with: vllm serve {out}   (verifier: {target.source})")
+    return 0
+
+
+def load_checkpoint(run: Path, workdir: Path):
+    """(run_dir, state, config) of a run directory or run name."""
+    import torch
+
+    from harness.config import RunConfig
+
+    run_dir = run if run.is_dir() else workdir / "runs" / str(run)
+    checkpoint = run_dir / "checkpoint.pt"
+    if not checkpoint.exists():
+        raise SystemExit(f"error: no checkpoint at {checkpoint}; pass a run directory or a run name under {workdir / 'runs'}")
+    state = torch.load(checkpoint, weights_only=False)
+    return run_dir, state, RunConfig.from_dict(state["config"])
+
+
+def restore_draft(config, state: dict, target, device: str = "cpu"):
+    from harness.train import build_for_target
+
+    draft = build_for_target(config, target).to(device)
+    draft.load_state_dict(state["model"])
+    return draft
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from harness import tracking
+    from harness.evaluate import EVAL_PREFIX, EvalConfig, log_evaluation, evaluate
+    from harness.train import prepare_workspace
+
+    run_dir, state, config = load_checkpoint(args.run, args.workdir)
+    workspace = prepare_workspace(config, args.workdir, args.device)
+    draft = restore_draft(config, state, workspace.target, args.device)
+    eval_config = EvalConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures))
+    metrics, records = evaluate(workspace.target, draft, workspace.data.validation, eval_config)
+    log_evaluation(args.workdir, state["run_id"], metrics, records, run_dir)
+    for name in ("measured_accepted_length_greedy", "measured_accepted_length_t1", "chat_offline_realized_accepted_length",
+                 "chat_offline_realized_accepted_length_replayed", "chat_measured_accepted_length_greedy_pooled", "mtbench_lossless_fraction", "chat_lossless_fraction"):
+        if name in metrics:
+            print(f"{EVAL_PREFIX}{name}: {metrics[name]:.4f}")
+    print(f"logged to MLflow run {state['run_id']}; per-request records in {run_dir / 'eval_records.json'}")
+    print(f"Open the UI with: {tracking.ui_command(args.workdir)}")
     return 0
 
 
@@ -201,6 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run", type=Path, help="run directory or run name")
     export.add_argument("--out", type=Path, help="output directory (default: <run>/export)")
     export.set_defaults(handler=cmd_export)
+
+    evaluate = commands.add_parser("evaluate", help="measure acceptance by real speculative decoding (MT-bench + held-out chat)",
+                                   description="Decode with the target verifying the draft; log measured acceptance beside the offline metrics.")
+    add_common(evaluate)
+    evaluate.add_argument("run", type=Path, help="run directory or run name")
+    evaluate.add_argument("--num-prompts", type=int, default=20, help="prompts per set (default: 20)")
+    evaluate.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default: 128)")
+    evaluate.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="decoding temperatures (default: 0 1)")
+    evaluate.set_defaults(handler=cmd_evaluate)
 
     from reports.cli import add_report_command
     from studies.cli import add_study_command

