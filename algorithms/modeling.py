@@ -209,7 +209,7 @@ class DraftBackbone(nn.Module):
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Transformed logits of final-normed states through the frozen head, in fp32."""
-        return self.logit_transform(hidden.float() @ self.head_weight.T)
+        return self.logit_transform(F.linear(hidden.float(), self.head_weight))
 
     def forward(
         self,

@@ -73,6 +73,8 @@ def collect(study: str, workdir: Path) -> StudyRecord:
         row["unary_recall_at_1"] = metrics.get(f"{VAL}unary_full_acc", float("nan"))
         row["teacher_forced_selector_acc"] = metrics.get(f"{VAL}teacher_forced_selector_acc", float("nan"))
         row["draft_step_ms"] = metrics.get(f"{VAL}draft_step_ms", float("nan"))
+        row["measured_greedy"] = metrics.get("eval/measured_accepted_length_greedy", float("nan"))
+        row["measured_t1"] = metrics.get("eval/measured_accepted_length_t1", float("nan"))
         for path in ("unary", "realized", "oracle"):
             for slot in range(0, 64):
                 key = f"{VAL}{conditional_acc_name(path, slot)}"

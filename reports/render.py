@@ -73,16 +73,19 @@ def leaderboard(record: StudyRecord) -> str:
     done = completed(record)
     if done.empty:
         return "## Leaderboard\n\nNo trial or baseline completed, so there is nothing to rank yet."
-    headers = ["run", *SWEPT_KNOBS, "unary", "realized", "oracle", "selector gain", "oracle headroom",
-               "recall@K", "target mass@K", "TF selector acc", "draft step ms", "params"]
+    measured = done[["measured_greedy", "measured_t1"]].notna().any().any()
+    headers = ["run", *SWEPT_KNOBS, "unary", "realized", "oracle", *(["measured T=0", "measured T=1"] if measured else []),
+               "selector gain", "oracle headroom", "recall@K", "target mass@K", "TF selector acc", "draft step ms", "params"]
     rows = [[label(r), *[r[k] for k in SWEPT_KNOBS], r["unary_accepted_length"], r["realized_accepted_length"],
-             r["oracle_accepted_length"], r["selector_gain"], r["oracle_headroom"], r["recall_at_k"], r["target_mass_at_k"],
+             r["oracle_accepted_length"], *([r["measured_greedy"], r["measured_t1"]] if measured else []),
+             r["selector_gain"], r["oracle_headroom"], r["recall_at_k"], r["target_mass_at_k"],
              r["teacher_forced_selector_acc"], r["draft_step_ms"], f"{int(r['parameters']):,}" if not math.isnan(r["parameters"]) else ""]
             for _, r in done.sort_values(["realized_accepted_length", "run_name"], ascending=[False, True]).iterrows()]
     note = ("Accepted lengths include the verified anchor. *unary*: the argmax path plain DFlash decoding realizes; "
             "*realized*: the selector walk replayed for real; *oracle*: target inside the unary top-K at every slot. "
             "Target mass@K is measured on the original unary top-K (no training-time injection). K is each run's `selector_top_k` "
-            "(DFlash: `metrics_top_k`).")
+            "(DFlash: `metrics_top_k`). *Measured* columns, where present, are per-request mean acceptance of real speculative "
+            "decoding with the target (MT-bench + held-out chat prompts, `dflash-lab evaluate`).")
     return "## Leaderboard\n\n" + note + "\n\n" + table(headers, rows)
 
 

@@ -246,6 +246,29 @@ class StudyRunner:
         self.study.optimize(self.objective, timeout=definition.timeout_s, callbacks=[stop_when_budget_used],
                             catch=(Exception,), gc_after_trial=True)
 
+    def evaluate_best(self) -> None:
+        """Opt-in: real speculative decoding for the best N completed trials, logged into their runs."""
+        import torch
+
+        from harness.evaluate import evaluate, log_evaluation
+        from harness.train import build_for_target
+
+        if not self.definition.evaluate_best or len(self.definition.objectives) > 1:
+            return
+        done = sorted(self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)), key=lambda t: -t.value)
+        for trial in done[: self.definition.evaluate_best]:
+            if trial.user_attrs.get("evaluated"):
+                continue
+            run_dir = run_directory(self.workdir, f"{self.definition.name}-trial-{trial.user_attrs.get(ATTR_ORIGIN, trial.number)}")
+            state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+            config = RunConfig.from_dict(state["config"])
+            draft = build_for_target(config, self.workspace.target).to(self.device)
+            draft.load_state_dict(state["model"])
+            print(f"[evaluate] trial {trial.number}: speculative decoding on MT-bench and held-out chat prompts", flush=True)
+            metrics, records = evaluate(self.workspace.target, draft, self.workspace.data.validation, self.definition.evaluation)
+            log_evaluation(self.workdir, state["run_id"], metrics, records, run_dir)
+            self.study._storage.set_trial_user_attr(trial._trial_id, "evaluated", True)
+
     def finalize(self) -> dict:
         """Best values and importances on the parent run; returns the summary printed to the user."""
         import mlflow
@@ -339,6 +362,7 @@ def launch(definition: StudyDefinition, study_file: Path, workdir: Path, storage
         process.wait()
     if worker:
         return {"study": definition.name, "worker": True}
+    runner.evaluate_best()
     summary = runner.finalize()
     mlflow.MlflowClient().set_terminated(parent, status="FINISHED")
     return summary

@@ -11,6 +11,7 @@ import yaml
 
 from algorithms.knobs import DFlash2Knobs, SharedKnobs
 from harness.config import RunConfig
+from harness.evaluate import EvalConfig
 
 SWEPT_KNOBS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha")
 OBJECTIVES = {"realized_accepted_length": "maximize", "draft_step_ms": "minimize"}
@@ -64,6 +65,8 @@ class StudyDefinition:
     seeds: list[int] = field(default_factory=lambda: [0])
     description: str = ""
     source_text: str = ""
+    evaluate_best: int = 0  # opt-in: measured acceptance by real speculative decoding for the N best trials
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
 
     @property
     def directions(self) -> list[str]:
@@ -102,7 +105,7 @@ def _dimension(path: str, knob: str, spec: Any) -> Dimension:
 
 def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
     data = _require_mapping(path, "<top level>", data)
-    known = {"name", "description", "target", "base", "search_space", "sampler", "pruner", "objective", "budget", "baselines", "seeds"}
+    known = {"name", "description", "target", "base", "search_space", "sampler", "pruner", "objective", "budget", "baselines", "seeds", "evaluate"}
     for key in data:
         if key not in known:
             raise _fail(path, key, data[key], f"fields {sorted(known)}")
@@ -159,11 +162,26 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
         for dimension in dimensions:
             dimension.grid_values()
 
+    evaluate = _require_mapping(path, "evaluate", data.get("evaluate", {"best_trials": 0}))
+    unknown = set(evaluate) - {"best_trials", "num_prompts", "max_new_tokens", "temperatures"}
+    if unknown:
+        raise _fail(path, "evaluate", sorted(unknown), "keys best_trials, num_prompts, max_new_tokens, temperatures")
+    for key in ("best_trials", "num_prompts", "max_new_tokens"):
+        value = evaluate.get(key, 0 if key == "best_trials" else 1)
+        if not isinstance(value, int) or value < (0 if key == "best_trials" else 1):
+            raise _fail(path, f"evaluate.{key}", value, "a non-negative integer" if key == "best_trials" else "an integer >= 1")
+    temperatures = evaluate.get("temperatures", [0.0, 1.0])
+    if not isinstance(temperatures, list) or not temperatures or any(not isinstance(t, (int, float)) or t < 0 for t in temperatures):
+        raise _fail(path, "evaluate.temperatures", temperatures, "a non-empty list of numbers >= 0")
+
     return StudyDefinition(
         name=name, base=run, search_space=dimensions, sampler=sampler["type"], sampler_seed=int(sampler.get("seed", 0)),
         pruner=pruner["type"], pruner_warmup_steps=int(pruner.get("warmup_steps", 0)), objectives=objectives,
         n_trials=n_trials, timeout_s=timeout, steps_per_trial=steps, baselines=baselines, seeds=seeds,
         description=str(data.get("description", "")),
+        evaluate_best=evaluate.get("best_trials", 0),
+        evaluation=EvalConfig(num_prompts=evaluate.get("num_prompts", 20), max_new_tokens=evaluate.get("max_new_tokens", 128),
+                              temperatures=tuple(float(t) for t in temperatures)),
     )
 
 

@@ -107,3 +107,14 @@ def e2e_workspace(e2e_workdir):
     from harness.train import prepare_workspace
 
     return prepare_workspace(e2e_run_config(), e2e_workdir)
+
+
+@pytest.fixture(scope="session")
+def trained(e2e_workspace):
+    """60 steps of the small preset per algorithm on real data (shared by the learning and decoding tests)."""
+    from harness.train import train
+
+    return {
+        algorithm: train(e2e_run_config(algorithm, max_steps=60, eval_every=60, checkpoint_every=60, log_every=20), e2e_workspace, run_name=f"learns-{algorithm}")
+        for algorithm in ("dflash2", "dflash")
+    }

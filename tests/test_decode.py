@@ -45,21 +45,27 @@ def test_dflash_rejection_sampling_is_lossless():
     assert chi_square(first, target[0]) < CHI2_CRITICAL_DF11_P001
 
 
-def test_dflash2_rejection_sampling_with_realized_selector_rows_is_lossless():
-    """q comes from the selector walk over K candidates, conditioned on the sampled predecessor."""
+def _selector_walks(unary_scale: float):
+    """DRAWS sampled selector walks over 2 slots with K=4 of 12 candidates, from one fixed block."""
     torch.manual_seed(0)
     selector = CandidateSelector(VOCAB, 8, 4, init="normal")
     with torch.no_grad():
         selector.successor_codebook.normal_(std=2.0)
         selector.predecessor_codebook.normal_(std=2.0)
-    target = _target(3)
     generator = torch.Generator().manual_seed(4)
-    unary = torch.randn(1, 2, VOCAB, generator=generator)
+    unary = torch.randn(1, 2, VOCAB, generator=generator) * unary_scale
     candidate_unary, candidate_ids = unary.topk(4, dim=-1)
     hidden = torch.randn(1, 2, 8, generator=generator)
     with torch.no_grad():
         walks = selector.walk(candidate_unary.expand(DRAWS, -1, -1), candidate_ids.expand(DRAWS, -1, -1),
                               hidden.expand(DRAWS, -1, -1), torch.full((DRAWS,), 5), temperature=1.0, generator=generator)
+    return walks, unary, generator
+
+
+def test_dflash2_rejection_sampling_with_realized_selector_rows_is_lossless():
+    """q comes from the selector walk over K candidates, conditioned on the sampled predecessor."""
+    walks, _, generator = _selector_walks(1.0)
+    target = _target(3)
     first, second = torch.zeros(VOCAB), torch.zeros(VOCAB)
     for n in range(DRAWS):
         proposal = Proposal(walks.tokens[n], walks.probs[n], walks.candidate_ids[n])
@@ -74,19 +80,8 @@ def test_dflash2_rejection_sampling_with_realized_selector_rows_is_lossless():
 
 def test_unary_softmax_as_q_would_not_be_lossless():
     """The test has teeth: verifying DFlash2 drafts against the unary softmax breaks the distribution."""
-    torch.manual_seed(0)
-    selector = CandidateSelector(VOCAB, 8, 4, init="normal")
-    with torch.no_grad():
-        selector.successor_codebook.normal_(std=2.0)
-        selector.predecessor_codebook.normal_(std=2.0)
+    walks, unary, generator = _selector_walks(3.0)
     target = _target(3)
-    generator = torch.Generator().manual_seed(4)
-    unary = torch.randn(1, 2, VOCAB, generator=generator) * 3
-    candidate_unary, candidate_ids = unary.topk(4, dim=-1)
-    with torch.no_grad():
-        walks = selector.walk(candidate_unary.expand(DRAWS, -1, -1), candidate_ids.expand(DRAWS, -1, -1),
-                              torch.randn(1, 2, 8, generator=generator).expand(DRAWS, -1, -1), torch.full((DRAWS,), 5),
-                              temperature=1.0, generator=generator)
     wrong_q = torch.softmax(unary[0], -1)
     first = torch.zeros(VOCAB)
     for n in range(DRAWS):

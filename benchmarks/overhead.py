@@ -1,0 +1,117 @@
+"""What DFlash2 costs over DFlash: training-step time (ours and speculators', identical shared knobs)
+and, at inference on the embedded target, the share of a decoding cycle spent in the selector walk and
+the convolutions.
+
+    python -m benchmarks.overhead [--size tiny] [--workdir work]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.train_step import SIZES, build, steppers, timed
+
+
+def training_overhead(size: str, steps: int) -> dict:
+    """DFlash2 / DFlash step time, for ours and for speculators, interleaved on the same batch shapes."""
+    pairs = {algorithm: steppers(*build(SIZES[size], algorithm, "cpu")) for algorithm in ("dflash", "dflash2")}
+    for algorithm in pairs:
+        for step in pairs[algorithm]:
+            step()
+    times = {(a, who): [] for a in pairs for who in ("ours", "theirs")}
+    for _ in range(steps):
+        for algorithm, (ours_step, theirs_step) in pairs.items():
+            times[(algorithm, "ours")].append(timed(ours_step, "cpu"))
+            times[(algorithm, "theirs")].append(timed(theirs_step, "cpu"))
+    median = {key: statistics.median(values) for key, values in times.items()}
+    return {
+        "size": size,
+        "ours_dflash2_over_dflash": median[("dflash2", "ours")] / median[("dflash", "ours")],
+        "theirs_dflash2_over_dflash": median[("dflash2", "theirs")] / median[("dflash", "theirs")],
+        **{f"{who}_{a}_median_ms": 1000 * v for (a, who), v in median.items()},
+    }
+
+
+def inference_shares(workdir: Path, cycles: int) -> dict:
+    """Time of the selector walk and of the convs inside one draft step, relative to a whole decoding cycle."""
+    from harness.presets import preset_run
+    from harness.targets import load_target
+    from harness.train import build_for_target, with_target_defaults
+
+    target = load_target("smollm2-135m", workdir)
+    config = with_target_defaults(preset_run("small", "dflash2", "smollm2-135m"), target)
+    draft = build_for_target(config, target).eval()
+    with torch.no_grad():
+        for name, param in draft.named_parameters():  # trained-like, non-identity convs and selector
+            if "conv" in name or "candidate_selector" in name:
+                param.normal_(std=0.02)
+    prompt = target.tokenizer("Tell me about the history of the bicycle in a few sentences.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = target.model(input_ids=prompt, output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i][0] for i in draft.config.target_layer_ids], -1)
+    length = features.shape[0]
+    positions = torch.arange(length)
+    block = torch.cat([prompt[0, -1:], torch.randint(0, 1000, (draft.block_size - 1,))])[None]
+
+    conv_seconds = [0.0]
+
+    def timed_conv(module, inputs, output):  # forward hooks bracket each conv call
+        conv_seconds[0] += time.perf_counter() - module._started
+
+    def start_conv(module, inputs):
+        module._started = time.perf_counter()
+
+    hooks = []
+    for layer in draft.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            hooks += [conv.register_forward_pre_hook(start_conv), conv.register_forward_hook(timed_conv)]
+    draft_s, walk_s, verify_s = [], [], []
+    with torch.no_grad():
+        for _ in range(cycles):
+            conv_seconds[0] = 0.0
+            started = time.perf_counter()
+            hidden = draft.single_block_hidden(features, positions, int(prompt[0, -1]), length, draft.block_size)[1:]
+            backbone = time.perf_counter()
+            draft.output_logits(hidden).topk(draft.candidate_top_k, dim=-1)
+            head = time.perf_counter()
+            draft.propose_from_hidden(hidden, int(prompt[0, -1]), 0.0, None)  # head + top-K + walk
+            walked = time.perf_counter()
+            target.model(input_ids=torch.cat([prompt, block], 1))
+            verified = time.perf_counter()
+            draft_s.append((walked - started - (head - backbone), conv_seconds[0]))
+            walk_s.append(max(0.0, (walked - head) - (head - backbone)))
+            verify_s.append(verified - walked)
+    for hook in hooks:
+        hook.remove()
+    cycle = statistics.median(d for d, _ in draft_s) + statistics.median(verify_s)
+    return {
+        "cycle_ms": 1000 * cycle,
+        "draft_ms": 1000 * statistics.median(d for d, _ in draft_s),
+        "selector_walk_ms": 1000 * statistics.median(walk_s),
+        "conv_ms": 1000 * statistics.median(c for _, c in draft_s),
+        "conv_share_of_cycle": statistics.median(c for _, c in draft_s) / cycle,
+        "selector_walk_share_of_cycle": statistics.median(walk_s) / cycle,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="tiny", choices=[s for s, v in SIZES.items() if not v.cuda_only])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cycles", type=int, default=20)
+    parser.add_argument("--workdir", type=Path, default=Path("work"))
+    args = parser.parse_args(argv)
+    print(json.dumps(training_overhead(args.size, args.steps)), flush=True)
+    print(json.dumps(inference_shares(args.workdir, args.cycles)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Speculative decoding on the real embedded target with drafts trained by the harness."""
+
+import json
+import subprocess
+import sys
+
+import mlflow
+import pytest
+
+from harness import tracking
+from harness.decode import speculative_generate, target_greedy
+from harness.evaluate import mtbench_questions, prompt_ids
+
+pytestmark = pytest.mark.slow
+NUM_PROMPTS, MAX_NEW_TOKENS = 20, 128
+
+
+@pytest.fixture(scope="session")
+def mtbench_references(e2e_workspace):
+    """The target alone, greedy, on the first 20 MT-bench questions (computed once)."""
+    tokenizer = e2e_workspace.target.tokenizer
+    stop = {tokenizer.eos_token_id}
+    prompts = [prompt_ids(tokenizer, q) for q in mtbench_questions(NUM_PROMPTS)]
+    return prompts, [target_greedy(e2e_workspace.target.model, p, MAX_NEW_TOKENS, stop) for p in prompts]
+
+
+@pytest.mark.parametrize("algorithm", ["dflash2", "dflash"])
+def test_greedy_speculative_decoding_is_lossless_on_mtbench(e2e_workspace, trained, mtbench_references, algorithm):
+    prompts, references = mtbench_references
+    draft = trained[algorithm].draft
+    stop = {e2e_workspace.target.tokenizer.eos_token_id}
+    cycles = 0
+    for prompt, reference in zip(prompts, references):
+        stats = speculative_generate(e2e_workspace.target.model, draft, prompt, MAX_NEW_TOKENS, stop)
+        assert stats.tokens == reference
+        cycles += len(stats.acceptance_lengths)
+        assert sum(stats.acceptance_lengths) == len(stats.tokens) - 1  # tau counts every committed token after the prefill's
+    assert cycles < sum(len(r) for r in references), "some drafts were accepted"
+
+
+def test_evaluate_logs_measured_acceptance_into_the_run(e2e_workspace, e2e_workdir, trained):
+    run_id = trained["dflash2"].run_id
+    done = subprocess.run([sys.executable, "-m", "harness.cli", "evaluate", "learns-dflash2", "--workdir", str(e2e_workdir),
+                           "--num-prompts", "4", "--max-new-tokens", "48", "--temperatures", "0", "1"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir)).get_run(run_id).data.metrics
+    for name in ("measured_accepted_length_greedy", "measured_accepted_length_t1", "measured_accepted_length_greedy_position_1_conditional_acc",
+                 "measured_accepted_length_greedy_draft_time_share", "measured_accepted_length_greedy_tokens_per_s",
+                 "chat_offline_realized_accepted_length", "chat_offline_realized_accepted_length_replayed", "chat_measured_minus_offline"):
+        assert f"eval/{name}" in metrics, name
+    assert metrics["eval/mtbench_lossless_fraction"] == 1.0 and metrics["eval/chat_lossless_fraction"] == 1.0
+    assert metrics["eval/measured_accepted_length_greedy"] >= 1.0
+    # decoding cycles replayed offline on the target's own continuations agree with measured greedy decoding
+    measured, replayed = metrics["eval/chat_measured_accepted_length_greedy_pooled"], metrics["eval/chat_offline_realized_accepted_length_replayed"]
+    assert abs(measured - replayed) / replayed <= 0.10
+    records = json.loads((e2e_workdir / "runs" / "learns-dflash2" / "eval_records.json").read_text())
+    assert {r["set"] for r in records} == {"mtbench", "chat"} and all(r["lossless"] for r in records if r["temperature"] == 0)
