@@ -139,8 +139,9 @@ class DFlashDraft(DraftBackbone):
         first = self.shared.first_draft_slot
         slots = self.block_size - first if num_slots is None else num_slots
         size = min(self.block_size, slots + first)
-        hidden = self.single_block_hidden(features, context_positions, anchor_id, anchor_position, size)[first:]
-        return self.propose_from_hidden(hidden, anchor_id, temperature, generator)
+        hidden = self.single_block_hidden(features, context_positions, anchor_id, anchor_position, size)
+        # Logits for the whole block, then drop slot 0: a full block is also the fast GEMM shape on CPU (MKL).
+        return self.propose_from_hidden(hidden[first:], self.output_logits(hidden)[first:], anchor_id, temperature, generator)
 
     def single_block_hidden(self, features, context_positions, anchor_id: int, anchor_position: int, size: int) -> torch.Tensor:
         device = features.device
@@ -156,8 +157,8 @@ class DFlashDraft(DraftBackbone):
         mask = torch.cat([context_visible, block_visible], dim=1)
         return self(features, context_positions, block_ids, block_positions, mask, size)
 
-    def propose_from_hidden(self, hidden: torch.Tensor, anchor_id: int, temperature: float, generator) -> Proposal:
-        logits = self.output_logits(hidden)
+    def propose_from_hidden(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int, temperature: float, generator) -> Proposal:
+        """Proposals from the draft slots' hidden states and transformed unary logits."""
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             return Proposal(torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs, None)

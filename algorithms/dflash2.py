@@ -64,9 +64,8 @@ class DFlash2Draft(DFlashDraft):
         pool(counts, scalar_counts({"selector_loss": selector_loss}))
         return loss, counts
 
-    def propose_from_hidden(self, hidden: torch.Tensor, anchor_id: int, temperature: float, generator) -> Proposal:
+    def propose_from_hidden(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int, temperature: float, generator) -> Proposal:
         """The selector walk over the unary top-K: greedy at T=0, sampled with realized rows at T>0."""
-        logits = self.output_logits(hidden)
         candidate_unary, candidate_ids = logits.topk(self.candidate_top_k, dim=-1)
         walk = self.candidate_selector.walk(
             candidate_unary[None], candidate_ids[None], hidden[None],

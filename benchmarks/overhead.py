@@ -81,7 +81,7 @@ def inference_shares(workdir: Path, cycles: int) -> dict:
             backbone = time.perf_counter()
             draft.output_logits(hidden).topk(draft.candidate_top_k, dim=-1)
             head = time.perf_counter()
-            draft.propose_from_hidden(hidden, int(prompt[0, -1]), 0.0, None)  # head + top-K + walk
+            draft.propose_from_hidden(hidden, draft.output_logits(hidden), int(prompt[0, -1]), 0.0, None)  # head + top-K + walk
             walked = time.perf_counter()
             target.model(input_ids=torch.cat([prompt, block], 1))
             verified = time.perf_counter()

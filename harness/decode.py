@@ -151,19 +151,31 @@ def speculative_generate(
 
 
 @torch.no_grad()
-def target_greedy(target_model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> list[int]:
-    """The target alone, greedy, one token per forward (the lossless reference)."""
-    from transformers import DynamicCache
+def target_greedy(target_model: torch.nn.Module, tokenizer, prompts: list[list[int]], max_new_tokens: int,
+                  stop_ids: set[int], batch_size: int = 20) -> list[list[int]]:
+    """The target alone, greedy (the lossless reference), batched with left padding.
 
+    Decoding is memory-bound on a CPU, so a batch costs about as much per step as one request.
+    Each continuation ends at its first stop token or at `max_new_tokens`.
+    """
     device = next(target_model.parameters()).device
-    cache = DynamicCache()
-    ids = torch.tensor([prompt_ids], device=device)
-    tokens: list[int] = []
-    while len(tokens) < max_new_tokens:
-        logits = target_model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
-        token = int(logits.argmax())
-        tokens.append(token)
-        if token in stop_ids:
-            break
-        ids = torch.tensor([[token]], device=device)
-    return tokens
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    continuations: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        batch = prompts[start:start + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        attention = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, prompt in enumerate(batch):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            attention[row, width - len(prompt):] = 1
+        output = target_model.generate(input_ids=ids.to(device), attention_mask=attention.to(device), do_sample=False,
+                                       max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=sorted(stop_ids))
+        for row in output[:, width:].tolist():
+            tokens = []
+            for token in row:
+                tokens.append(token)
+                if token in stop_ids:
+                    break
+            continuations.append(tokens)
+    return continuations

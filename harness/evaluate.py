@@ -115,7 +115,7 @@ def evaluate(target, draft: DFlashDraft, chat_documents: list[Document], config:
     all_runs: dict[str, list[DecodeStats]] = {}
     generator = torch.Generator().manual_seed(config.seed)
     for name, prompts in prompt_sets.items():
-        references = []
+        references = target_greedy(target.model, target.tokenizer, prompts, config.max_new_tokens, stop)
         for temperature in config.temperatures:
             tag = "greedy" if temperature == 0 else f"t{temperature:g}".replace(".", "_")
             runs = []
@@ -126,9 +126,7 @@ def evaluate(target, draft: DFlashDraft, chat_documents: list[Document], config:
                           "cycles": len(stats.acceptance_lengths), "mean_acceptance_length": stats.mean_acceptance_length,
                           "histogram": {str(k): stats.acceptance_lengths.count(k) for k in sorted(set(stats.acceptance_lengths))}}
                 if temperature == 0:
-                    reference = target_greedy(target.model, prompt, config.max_new_tokens, stop)
-                    references.append(reference)
-                    record["lossless"] = reference == stats.tokens
+                    record["lossless"] = references[index] == stats.tokens
                 records.append(record)
             metrics.update(summarize(runs, f"{name}_measured_accepted_length_{tag}"))
             all_runs.setdefault(tag, []).extend(runs)

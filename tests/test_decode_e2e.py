@@ -21,7 +21,7 @@ def mtbench_references(e2e_workspace):
     tokenizer = e2e_workspace.target.tokenizer
     stop = {tokenizer.eos_token_id}
     prompts = [prompt_ids(tokenizer, q) for q in mtbench_questions(NUM_PROMPTS)]
-    return prompts, [target_greedy(e2e_workspace.target.model, p, MAX_NEW_TOKENS, stop) for p in prompts]
+    return prompts, target_greedy(e2e_workspace.target.model, tokenizer, prompts, MAX_NEW_TOKENS, stop)
 
 
 @pytest.mark.parametrize("algorithm", ["dflash2", "dflash"])

@@ -73,4 +73,4 @@ def test_export_loads_in_zlab_dflash_with_matching_outputs(tmp_path, algorithm):
     assert torch.allclose(draft.output_logits(ours), theirs.compute_logits(reference, head), atol=1e-4)
     if algorithm == "dflash2":
         path, _, _ = theirs.propose(reference[None, 1:], torch.tensor([anchor]), head, 0.0)
-        assert torch.equal(path[0], draft.propose_from_hidden(ours[1:], anchor, 0.0, None).tokens)
+        assert torch.equal(path[0], draft.propose_from_hidden(ours[1:], draft.output_logits(ours)[1:], anchor, 0.0, None).tokens)

@@ -186,6 +186,8 @@ def test_killed_study_resumes_and_finishes_its_budget(e2e_workspace, e2e_workdir
     assert "resuming resumable-trial-" in done.stderr, "the retried trial resumes its checkpoint and MLflow run"
 
 
+@pytest.mark.skipif(bool(os.environ.get("DFLASH_LAB_TEST_POSTGRES_URL")),
+                    reason="CI covers shared storage with the PostgreSQL test below (same checks, real server)")
 def test_two_workers_share_one_study(e2e_workspace, e2e_workdir, tmp_path):
     study_file = _study_file(tmp_path, "shared", **{"conv_group_size: [16, 7]": "conv_group_size: [16, 64]", "baselines: [dflash, dflash2_defaults]": "baselines: [dflash]"})
     done = _launch(study_file, e2e_workdir, "--n-jobs", "2", "--no-report", cwd=tmp_path)
@@ -195,3 +197,19 @@ def test_two_workers_share_one_study(e2e_workspace, e2e_workdir, tmp_path):
     assert len(complete) == 4
     assert len({tuple(sorted(t.params.items())) for t in complete}) == 4, "the grid is shared, not repeated"
     assert len({t.user_attrs[ATTR_WORKER] for t in complete}) == 2, "both processes ran trials"
+
+
+@pytest.mark.skipif(not os.environ.get("DFLASH_LAB_TEST_POSTGRES_URL"),
+                    reason="no PostgreSQL server: .ci/run starts one with scripts/postgres.sh and sets DFLASH_LAB_TEST_POSTGRES_URL")
+def test_workers_share_a_postgresql_study(e2e_workspace, e2e_workdir, tmp_path):
+    url = os.environ["DFLASH_LAB_TEST_POSTGRES_URL"]
+    name = f"pg{int(time.time())}"
+    study_file = _study_file(tmp_path, name, **{"conv_group_size: [16, 7]": "conv_group_size: [16, 64]", "baselines: [dflash, dflash2_defaults]": "baselines: []"})
+    done = _launch(study_file, e2e_workdir, "--storage", url, "--n-jobs", "2", "--no-report", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    study = optuna.load_study(study_name=name, storage=url)
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 4 and len({tuple(sorted(t.params.items())) for t in complete}) == 4
+    assert len({t.user_attrs[ATTR_WORKER] for t in complete}) == 2
+    listing = subprocess.run([*CLI, "study", "list", "--workdir", str(e2e_workdir), "--storage", url], capture_output=True, text=True, timeout=120)
+    assert f"{name}: 4 trials" in listing.stdout
