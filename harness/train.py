@@ -90,12 +90,12 @@ def validate(draft: DFlashDraft, rows: list[PackedRow], device: str) -> tuple[di
         generator = torch.Generator().manual_seed(index)
         anchors = sample_anchors(row.loss_mask, row.document_ids, shared.block_size, shared.max_anchors, generator)
         with autocast(device):
-            pool(counts, draft.training_forward(row.to(device), _to(anchors, device)).counts)
+            pool(counts, draft.training_forward(row.to(device), anchors_to(anchors, device)).counts)
     draft.train()
     return finalize(counts, shared.block_size, shared.first_draft_slot), counts
 
 
-def _to(anchors, device):
+def anchors_to(anchors, device):
     return type(anchors)(anchors.positions.to(device), anchors.valid.to(device))
 
 
@@ -263,7 +263,7 @@ def _loop(config, workspace, draft, optimizer, schedule, anchor_generator, start
         anchors = sample_anchors(row.loss_mask, row.document_ids, shared.block_size, shared.max_anchors, anchor_generator)
         started = time.perf_counter()
         with autocast(device):
-            output = draft.training_forward(row, _to(anchors, device))
+            output = draft.training_forward(row, anchors_to(anchors, device))
         if not torch.isfinite(output.loss):
             raise NonFiniteLoss(f"non-finite loss {float(output.loss.detach())} at step {step + 1}; last good checkpoint kept at {checkpoint_path}")
         optimizer.zero_grad(set_to_none=True)

@@ -45,14 +45,15 @@ def header(record: StudyRecord) -> str:
     counts = runs.groupby("status").size().to_dict() if not runs.empty else {}
     trials = runs[runs["role"] == "trial"] if not runs.empty else runs
     trial_counts = trials.groupby("status").size().to_dict() if not trials.empty else {}
-    first = runs.iloc[0] if not runs.empty else {}
+    first = runs.iloc[0] if not runs.empty else None
     pinned = sorted((k.removeprefix("pinned.shared."), v) for k, v in params.items() if k.startswith("pinned.shared."))
+    target = f"{first['target']} (weights `{first['target_hash']}`)" if first is not None else params.get("pinned.target", "–")
+    data = f"{first['dataset']} (hash `{first['dataset_hash']}`)" if first is not None else params.get("pinned.data.dataset", "–")
     lines = [
         f"# Ablation report: `{record.name}`",
         "",
-        f"- **Target:** {first.get('target', params.get('pinned.target', '–')) if len(runs) else params.get('pinned.target', '–')}"
-        + (f" (weights `{first['target_hash']}`)" if len(runs) else ""),
-        f"- **Data:** {first['dataset']} (hash `{first['dataset_hash']}`)" if len(runs) else "- **Data:** –",
+        f"- **Target:** {target}",
+        f"- **Data:** {data}",
         f"- **Objective:** {params.get('study.objectives', '–')} on the validation set (deterministic anchors); "
         f"sampler {params.get('study.sampler', '–')}, pruner {params.get('study.pruner', '–')}, "
         f"{params.get('study.steps_per_trial', '–')} steps per trial",

@@ -318,7 +318,7 @@ def ensure_parent_run(definition: StudyDefinition, study: optuna.Study, workdir:
     client = mlflow.MlflowClient()
     run = client.create_run(experiment_id, run_name=f"study-{definition.name}", tags={
         tracking.TAG_STUDY: definition.name, tracking.TAG_ROLE: "study", "dflash_lab.objectives": ",".join(definition.objectives)})
-    params = {**{f"pinned.{k}": v for k, v in definition.base.flat_params().items()},
+    params = {**{f"pinned.{k}": v for k, v in definition.base.flat_params().items()}, "pinned.target": definition.base.target,
               "study.sampler": definition.sampler, "study.pruner": definition.pruner, "study.n_trials": definition.n_trials,
               "study.steps_per_trial": definition.steps_per_trial, "study.objectives": ",".join(definition.objectives),
               "study.search_space": json.dumps({d.knob: dataclasses.asdict(d) for d in definition.search_space})}
