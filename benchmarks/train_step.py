@@ -235,8 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "RESULTS.md")
+    parser.add_argument("--smoke", action="store_true", help="tiny size, 2 steps, results not written: checks the benchmark runs and parity holds")
     parser.add_argument("--probe", choices=["ours", "theirs"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.steps, args.warmup = ["tiny"], 2, 1
     if args.probe:
         print(memory_probe(args.sizes[0], args.algorithms[0], args.probe, args.device))
         return 0
@@ -249,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             record = measure(size, algorithm, args.device, args.steps, args.warmup)
             print(json.dumps(record), flush=True)
             records.append(record)
+    if args.smoke:
+        return 1 if any("error" in r for r in records) else 0
     write_results(records, args.out)
     return 0
 

@@ -113,12 +113,10 @@ def speculative_generate(
     stats.verify_seconds += time.perf_counter() - started
 
     while len(stats.tokens) < max_new_tokens and anchor not in stop_ids:
-        budget = min(slots, max_new_tokens - len(stats.tokens) - 1)
+        remaining = max_new_tokens - len(stats.tokens)
+        budget = min(slots, remaining)  # a shorter block near the limit, as Z Lab's loop drafts
         t0 = time.perf_counter()
-        if budget > 0:
-            proposal = draft.propose(context, torch.arange(start, device=device), anchor, start, budget, temperature, generator)
-        else:
-            proposal = Proposal(torch.zeros(0, dtype=torch.long, device=device), None, None)
+        proposal = draft.propose(context, torch.arange(start, device=device), anchor, start, budget, temperature, generator)
         t1 = time.perf_counter()
         block = torch.cat([torch.tensor([anchor], device=device), proposal.tokens.to(device)])[None]
         out = target_model(input_ids=block, past_key_values=cache, use_cache=True, output_hidden_states=True)
@@ -135,16 +133,16 @@ def speculative_generate(
         for slot in range(verdict.accepted):
             stats.slot_accepts[slot] += 1
         committed = [int(t) for t in proposal.tokens[: verdict.accepted]] + [verdict.bonus]
-        stats.acceptance_lengths.append(verdict.accepted + 1)
+        produced = min(len(committed), remaining)
+        stopped = next((i + 1 for i, token in enumerate(committed[:produced]) if token in stop_ids), None)
+        produced = stopped or produced
+        stats.tokens += committed[:produced]
+        stats.acceptance_lengths.append(produced)  # tokens this cycle committed (Z Lab's convention at the end too)
         rejected = cache.get_seq_length() - (start + verdict.accepted + 1)
         if rejected > 0:
             cache.crop(-rejected)  # keep the anchor and accepted drafts; drop rejected positions
         context = torch.cat([context, target_features(out.hidden_states, layer_ids)[: verdict.accepted + 1]])
         start += verdict.accepted + 1
-        for token in committed:
-            stats.tokens.append(token)
-            if token in stop_ids or len(stats.tokens) >= max_new_tokens:
-                break
         anchor = stats.tokens[-1]
     stats.total_seconds = time.perf_counter() - started
     return stats

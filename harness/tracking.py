@@ -25,6 +25,8 @@ def configure(workdir: Path, experiment: str = DEFAULT_EXPERIMENT) -> str:
     existing = mlflow.get_experiment_by_name(experiment)
     if existing is not None:
         return existing.experiment_id
+    if os.environ.get("MLFLOW_TRACKING_URI"):  # a tracking server stores (or proxies) artifacts itself
+        return mlflow.create_experiment(experiment)
     return mlflow.create_experiment(experiment, artifact_location=(workdir / "mlartifacts").resolve().as_uri())
 
 

@@ -35,7 +35,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import optuna
 
-    from studies.runner import ATTR_FAIL_REASON, ATTR_INFEASIBLE, ATTR_PRUNED, ATTR_RUN_ID, storage_url
+    from studies.runner import ATTR_FAIL_REASON, ATTR_INFEASIBLE, ATTR_INTERRUPTED, ATTR_PRUNED, ATTR_RUN_ID, storage_url
 
     try:
         study = optuna.load_study(study_name=args.name, storage=storage_url(args.workdir, args.storage))
@@ -43,9 +43,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: no study named {args.name!r} in {storage_url(args.workdir, args.storage)}; see `dflash-lab study list`") from None
     print(f"study {study.study_name}: directions {[d.name.lower() for d in study.directions]}")
     print(f"{'trial':>5}  {'state':9}  {'value':>8}  params / reason")
+    interrupted = set(study.user_attrs.get(ATTR_INTERRUPTED, []))
     for trial in study.get_trials(deepcopy=False):
         value = "" if trial.values is None else ",".join(f"{v:.3f}" for v in trial.values)
-        reason = trial.user_attrs.get(ATTR_INFEASIBLE) or trial.user_attrs.get(ATTR_PRUNED) or trial.user_attrs.get(ATTR_FAIL_REASON) or ""
+        reason = (trial.user_attrs.get(ATTR_INFEASIBLE) or trial.user_attrs.get(ATTR_PRUNED) or trial.user_attrs.get(ATTR_FAIL_REASON)
+                  or ("interrupted: its worker stopped sending heartbeats; the same knobs were re-queued" if trial.number in interrupted else ""))
         run = trial.user_attrs.get(ATTR_RUN_ID, "")
         print(f"{trial.number:>5}  {trial.state.name:9}  {value:>8}  {trial.params} {reason} {('mlflow ' + run) if run else ''}".rstrip())
     return 0

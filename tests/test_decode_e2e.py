@@ -56,3 +56,29 @@ def test_evaluate_logs_measured_acceptance_into_the_run(e2e_workspace, e2e_workd
     assert abs(measured - replayed) / replayed <= 0.10
     records = json.loads((e2e_workdir / "runs" / "learns-dflash2" / "eval_records.json").read_text())
     assert {r["set"] for r in records} == {"mtbench", "chat"} and all(r["lossless"] for r in records if r["temperature"] == 0)
+
+
+@pytest.mark.peer
+@pytest.mark.parametrize("algorithm", ["dflash2", "dflash"])
+def test_zlab_spec_generate_matches_our_loop(e2e_workspace, trained, tmp_path, algorithm):
+    """Our exported checkpoint in Z Lab's dflash 0.1.0 spec_generate: same tokens, same per-cycle acceptance."""
+    import torch
+
+    zlab = pytest.importorskip("dflash.model", reason="dflash==0.1.0 (Z Lab reference) is not installed; .ci/run installs it with --no-deps")
+    from harness.export import export_checkpoint, load_exported_weights
+
+    draft = trained[algorithm].draft
+    out = export_checkpoint(draft, tmp_path / "ckpt", e2e_workspace.target.source)
+    load_exported_weights(draft, out)  # ours runs the same bf16-rounded weights
+    cls = zlab.DFlash2DraftModel if algorithm == "dflash2" else zlab.DFlashDraftModel
+    theirs = cls.from_pretrained(out, dtype=torch.float32).eval()
+    tokenizer, model = e2e_workspace.target.tokenizer, e2e_workspace.target.model
+    stop = tokenizer.eos_token_id
+    for prompt in [prompt_ids(tokenizer, q) for q in mtbench_questions(3)]:
+        ours = speculative_generate(model, draft, prompt, 48, {stop})
+        with torch.no_grad():
+            reference = theirs.spec_generate(target=model, input_ids=torch.tensor([prompt]), max_new_tokens=48,
+                                             stop_token_ids=[stop], temperature=0.0)
+        stats = zlab.dflash_generate(theirs, model, torch.tensor([prompt]), 48, [stop], return_stats=True)
+        assert reference[0, len(prompt):].tolist() == ours.tokens
+        assert stats.acceptance_lengths == ours.acceptance_lengths

@@ -47,6 +47,7 @@ def launched(e2e_workspace, e2e_workdir, tmp_path_factory):
 
 def test_launch_records_trials_baselines_and_infeasible_cells(launched, e2e_workdir):
     done, _ = launched
+    assert done.stderr.count("feature cache hit") == 1 and "extracting" not in done.stderr, "the target runs at most once per study"
     assert "[trial 2] {'conv_group_size': 16" in done.stdout
     assert "infeasible {'conv_group_size': 7" in done.stdout
     assert "MLflow UI: mlflow ui --backend-store-uri" in done.stdout
@@ -184,6 +185,11 @@ def test_killed_study_resumes_and_finishes_its_budget(e2e_workspace, e2e_workdir
     retried = [t for t in complete if t.user_attrs.get("origin_trial") == interrupted[0]]
     assert len(retried) == 1, "the interrupted config is retried"
     assert "resuming resumable-trial-" in done.stderr, "the retried trial resumes its checkpoint and MLflow run"
+    status = subprocess.run([*CLI, "study", "status", "resumable", "--workdir", str(e2e_workdir)], capture_output=True, text=True, timeout=120)
+    assert f"{interrupted[0]:>5}  FAIL" in status.stdout and "interrupted: its worker stopped sending heartbeats" in status.stdout
+    client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
+    runs = client.search_runs([client.get_experiment_by_name("resumable").experiment_id], "tags.`dflash_lab.role` = 'trial'")
+    assert sorted(r.info.run_name for r in runs) == sorted({f"resumable-trial-{t.user_attrs.get('origin_trial', t.number)}" for t in complete})
 
 
 @pytest.mark.skipif(bool(os.environ.get("DFLASH_LAB_TEST_POSTGRES_URL")),
@@ -213,3 +219,26 @@ def test_workers_share_a_postgresql_study(e2e_workspace, e2e_workdir, tmp_path):
     assert len({t.user_attrs[ATTR_WORKER] for t in complete}) == 2
     listing = subprocess.run([*CLI, "study", "list", "--workdir", str(e2e_workdir), "--storage", url], capture_output=True, text=True, timeout=120)
     assert f"{name}: 4 trials" in listing.stdout
+    client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
+    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id], "tags.`dflash_lab.role` = 'trial'")
+    assert len(runs) == 4 and len({r.info.run_name for r in runs}) == 4, "every finished trial has exactly one MLflow child run"
+
+
+@pytest.mark.skipif(not os.environ.get("DFLASH_LAB_TEST_MLFLOW_URL"),
+                    reason="no MLflow server: .ci/run starts one with scripts/mlflow_server.sh and sets DFLASH_LAB_TEST_MLFLOW_URL")
+def test_a_trial_logs_to_an_mlflow_tracking_server(e2e_workspace, e2e_workdir, tmp_path):
+    url = os.environ["DFLASH_LAB_TEST_MLFLOW_URL"]
+    name = f"server{int(time.time())}"
+    study_file = _study_file(tmp_path, name, **{"conv_group_size: [16, 7]": "conv_group_size: [16]", "selector_rank: [8, 16]": "selector_rank: [8]",
+                                                  "baselines: [dflash, dflash2_defaults]": "baselines: []", "steps_per_trial: 4": "steps_per_trial: 2"})
+    done = _launch(study_file, tmp_path / "work-server", cwd=tmp_path, env={"MLFLOW_TRACKING_URI": url})
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = mlflow.MlflowClient(url)
+    experiment = client.get_experiment_by_name(name)
+    runs = client.search_runs([experiment.experiment_id])
+    trials = [r for r in runs if r.data.tags.get(tracking.TAG_ROLE) == "trial"]
+    assert len(trials) == 1 and trials[0].info.status == "FINISHED"
+    assert "val/realized_accepted_length" in trials[0].data.metrics
+    parent = next(r for r in runs if r.data.tags.get(tracking.TAG_ROLE) == "study")
+    assert "study.yaml" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert "report/README.md" in {a.path for a in client.list_artifacts(parent.info.run_id, "report")}

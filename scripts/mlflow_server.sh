@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Start a throwaway MLflow tracking server on 127.0.0.1:5001 (HTTP) for the tracking-server test.
+# Prints its URL. Needs the project's .venv (scripts/setup.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${MLFLOW_SERVER_DIR:-/tmp/dflash-lab-mlflow-server}
+PORT=${MLFLOW_SERVER_PORT:-5001}
+URL="http://127.0.0.1:$PORT"
+if ! curl -sf "$URL/health" > /dev/null 2>&1; then
+  mkdir -p "$DIR"
+  nohup .venv/bin/mlflow server --host 127.0.0.1 --port "$PORT" --backend-store-uri "sqlite:///$DIR/mlflow.db" \
+    --artifacts-destination "$DIR/artifacts" --workers 1 > "$DIR/server.log" 2>&1 &
+  for _ in $(seq 1 120); do
+    curl -sf "$URL/health" > /dev/null 2>&1 && break
+    sleep 0.5
+  done
+  curl -sf "$URL/health" > /dev/null || { echo "mlflow server did not start; see $DIR/server.log" >&2; exit 1; }
+fi
+echo "$URL"
