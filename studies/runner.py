@@ -257,7 +257,7 @@ class StudyRunner:
             return
         done = sorted(self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)), key=lambda t: -t.value)
         for trial in done[: self.definition.evaluate_best]:
-            if trial.user_attrs.get("evaluated"):
+            if trial.number in self.study.user_attrs.get("evaluated_trials", []):
                 continue
             run_dir = run_directory(self.workdir, f"{self.definition.name}-trial-{trial.user_attrs.get(ATTR_ORIGIN, trial.number)}")
             state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
@@ -267,7 +267,7 @@ class StudyRunner:
             print(f"[evaluate] trial {trial.number}: speculative decoding on MT-bench and held-out chat prompts", flush=True)
             metrics, records = evaluate(self.workspace.target, draft, self.workspace.data.validation, self.definition.evaluation)
             log_evaluation(self.workdir, state["run_id"], metrics, records, run_dir)
-            self.study._storage.set_trial_user_attr(trial._trial_id, "evaluated", True)
+            self.study.set_user_attr("evaluated_trials", [*self.study.user_attrs.get("evaluated_trials", []), trial.number])
 
     def finalize(self) -> dict:
         """Best values and importances on the parent run; returns the summary printed to the user."""
