@@ -43,7 +43,7 @@ def test_greedy_speculative_decoding_is_lossless_on_mtbench(e2e_workspace, train
 def test_evaluate_logs_measured_acceptance_into_the_run(e2e_workspace, e2e_workdir, trained):
     run_id = trained["dflash2"].run_id
     done = subprocess.run([sys.executable, "-m", "harness.cli", "evaluate", "learns-dflash2", "--workdir", str(e2e_workdir),
-                           "--num-prompts", "4", "--max-new-tokens", "48", "--temperatures", "0", "1"],
+                           "--num-prompts", "3", "--max-new-tokens", "32", "--temperatures", "0", "1"],
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir)).get_run(run_id).data.metrics
