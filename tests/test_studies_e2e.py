@@ -141,7 +141,7 @@ def test_study_status_and_list(launched, e2e_workdir):
     assert listing.returncode == 0 and "tiny: 4 trials" in listing.stdout
 
 
-def test_report_for_study_without_completed_trials_says_so(e2e_workspace, e2e_workdir, tmp_path):
+def test_report_for_study_without_completed_trials_says_so(launched, e2e_workdir, tmp_path):
     study_file = _study_file(tmp_path, "nothing", **{"conv_group_size: [16, 7]": "conv_group_size: [7]", "baselines: [dflash, dflash2_defaults]": "baselines: []",
                                                        "budget: {n_trials: 4": "budget: {n_trials: 2"})
     done = _launch(study_file, e2e_workdir, cwd=tmp_path)
@@ -150,6 +150,11 @@ def test_report_for_study_without_completed_trials_says_so(e2e_workspace, e2e_wo
     assert "No trial or baseline completed, so there is nothing to rank yet." in markdown
     assert "0 completed trial(s): too few to estimate knob effects." in markdown
     assert markdown.count("| infeasible |") == 2
+    compared = subprocess.run([*CLI, "report", "--compare", "tiny", "nothing", "--workdir", str(e2e_workdir), "--out", str(tmp_path / "cmp")],
+                              capture_output=True, text=True, timeout=300)
+    assert compared.returncode == 0, compared.stderr[-2000:]
+    comparison = (tmp_path / "cmp" / "compare-tiny-vs-nothing" / "README.md").read_text()
+    assert "# Comparison: `tiny` vs `nothing`" in comparison and "| tiny |" in comparison and "| nothing |" in comparison
 
 
 def test_killed_study_resumes_and_finishes_its_budget(e2e_workspace, e2e_workdir, tmp_path):
@@ -242,3 +247,29 @@ def test_a_trial_logs_to_an_mlflow_tracking_server(e2e_workspace, e2e_workdir, t
     parent = next(r for r in runs if r.data.tags.get(tracking.TAG_ROLE) == "study")
     assert "study.yaml" in {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert "report/README.md" in {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
+
+
+def test_a_trial_that_raises_is_recorded_failed_and_the_study_goes_on(e2e_workspace, tmp_path):
+    """An out-of-memory (or NaN) inside one trial: that trial is FAIL with its error, the next trial still runs."""
+    from unittest import mock
+
+    from studies.runner import ATTR_FAIL_REASON, StudyRunner, make_sampler
+    from studies.schema import load_study
+
+    definition = load_study(_study_file(tmp_path, "raises", **{"conv_group_size: [16, 7]": "conv_group_size: [16]"}))
+    study = optuna.create_study(study_name="raises", sampler=make_sampler(definition))
+    runner = StudyRunner(definition, e2e_workspace, study, parent_run_id="unused")
+    outcomes = iter([RuntimeError("CPU out of memory: tried to allocate 40.00 GiB"), None])
+
+    def fake_train(*args, **kwargs):
+        error = next(outcomes)
+        if error:
+            raise error
+        from harness.train import TrainResult
+        return TrainResult("run-2", tmp_path, {"realized_accepted_length": 1.5, "unary_accepted_length": 1.2, "oracle_accepted_length": 2.0})
+
+    with mock.patch("studies.runner.train", side_effect=fake_train):
+        study.optimize(runner.objective, n_trials=2, catch=(Exception,))
+    first, second = study.trials
+    assert first.state == optuna.trial.TrialState.FAIL and "out of memory" in first.user_attrs[ATTR_FAIL_REASON]
+    assert second.state == optuna.trial.TrialState.COMPLETE and second.value == 1.5
