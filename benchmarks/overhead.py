@@ -77,11 +77,12 @@ def inference_shares(workdir: Path, cycles: int) -> dict:
         for _ in range(cycles):
             conv_seconds[0] = 0.0
             started = time.perf_counter()
-            hidden = draft.single_block_hidden(features, positions, int(prompt[0, -1]), length, draft.block_size)[1:]
+            hidden = draft.single_block_hidden(features, positions, int(prompt[0, -1]), length, draft.block_size)
             backbone = time.perf_counter()
-            draft.output_logits(hidden).topk(draft.candidate_top_k, dim=-1)
+            draft.output_logits(hidden)[1:].topk(draft.candidate_top_k, dim=-1)
             head = time.perf_counter()
-            draft.propose_from_hidden(hidden, draft.output_logits(hidden), int(prompt[0, -1]), 0.0, None)  # head + top-K + walk
+            # head + top-K + walk, with the head over the whole block exactly as `propose` computes it
+            draft.propose_from_hidden(hidden[1:], draft.output_logits(hidden)[1:], int(prompt[0, -1]), 0.0, None)
             walked = time.perf_counter()
             target.model(input_ids=torch.cat([prompt, block], 1))
             verified = time.perf_counter()
