@@ -87,6 +87,45 @@ def aligned_loss_mask(
     return mask
 
 
+@dataclass
+class AttentionTile:
+    """A block-sparse attention tile: consecutive query rows and the context span any of them can see."""
+
+    queries: slice  # rows of the flattened block axis
+    context: slice  # context positions
+    mask: torch.Tensor  # [queries, context + queries] bool: context keys, then the tile's own block keys
+
+
+def _tile_mask(
+    anchor_positions: torch.Tensor,  # [n] the tile's anchors
+    anchor_valid: torch.Tensor,  # [n]
+    document_ids: torch.Tensor,  # [T]
+    context: slice,
+    block_size: int,
+    causal: bool,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Context of the anchor's document strictly before it (within the window), plus its own block."""
+    device = document_ids.device
+    query_anchor = anchor_positions.repeat_interleave(block_size)
+    query_doc = document_ids[query_anchor]
+    ctx = torch.arange(context.start, context.stop, device=device)
+    context_visible = (
+        (query_doc[:, None] != -1)
+        & (document_ids[context][None, :] == query_doc[:, None])
+        & (ctx[None, :] < query_anchor[:, None])
+    )
+    if sliding_window is not None:
+        context_visible &= ctx[None, :] >= query_anchor[:, None] - sliding_window
+    # Padding anchors see only their own block, so no softmax row is ever empty.
+    context_visible &= anchor_valid.repeat_interleave(block_size)[:, None]
+    flat = torch.arange(anchor_positions.shape[0] * block_size, device=device)
+    block_visible = (flat[:, None] // block_size) == (flat[None, :] // block_size)
+    if causal:
+        block_visible &= flat[None, :] <= flat[:, None]
+    return torch.cat([context_visible, block_visible], dim=1)
+
+
 def block_attention_mask(
     anchors: Anchors,
     document_ids: torch.Tensor,
@@ -95,23 +134,38 @@ def block_attention_mask(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """Dense boolean mask [M, T+M]: context of the anchor's document strictly before it, plus its own block."""
+    return _tile_mask(anchors.positions, anchors.valid, document_ids, slice(0, document_ids.shape[0]), block_size, causal, sliding_window)
+
+
+def attention_tiles(
+    anchors: Anchors,
+    document_ids: torch.Tensor,
+    block_size: int,
+    causal: bool,
+    sliding_window: int | None,
+    blocks_per_tile: int,
+) -> list[AttentionTile]:
+    """The dense mask as tiles of `blocks_per_tile` blocks, each keeping only the context span it can see.
+
+    Blocks never see each other, and a tile's queries see at most from the earliest document start (or
+    window edge) of its anchors up to its last anchor, so most of the dense [M, T+M] mask is never built.
+    Documents are contiguous in a packed row.
+    """
     length = document_ids.shape[0]
-    num_blocks = anchors.positions.shape[0]
-    device = document_ids.device
-    query_anchor = anchors.positions.repeat_interleave(block_size)  # [M]
-    query_doc = document_ids[query_anchor]
-    ctx = torch.arange(length, device=device)
-    context_visible = (
-        (query_doc[:, None] != -1)
-        & (document_ids[None, :] == query_doc[:, None])
-        & (ctx[None, :] < query_anchor[:, None])
-    )
+    index = torch.arange(length, device=document_ids.device)
+    is_start = torch.ones(length, dtype=torch.bool, device=document_ids.device)
+    is_start[1:] = document_ids[1:] != document_ids[:-1]
+    document_start = torch.cummax(torch.where(is_start, index, 0), dim=0).values
+    lowest = document_start[anchors.positions]
     if sliding_window is not None:
-        context_visible &= ctx[None, :] >= query_anchor[:, None] - sliding_window
-    # Padding anchors see only their own block, so no softmax row is ever empty.
-    context_visible &= anchors.valid.repeat_interleave(block_size)[:, None]
-    flat = torch.arange(num_blocks * block_size, device=device)
-    block_visible = (flat[:, None] // block_size) == (flat[None, :] // block_size)
-    if causal:
-        block_visible &= flat[None, :] <= flat[:, None]
-    return torch.cat([context_visible, block_visible], dim=1)
+        lowest = torch.maximum(lowest, anchors.positions - sliding_window)
+    lowest = torch.where(anchors.valid, lowest, length).tolist()
+    highest = torch.where(anchors.valid, anchors.positions, 0).tolist()
+    tiles = []
+    for first in range(0, anchors.positions.shape[0], blocks_per_tile):
+        last = min(first + blocks_per_tile, anchors.positions.shape[0])
+        start, stop = min(lowest[first:last]), max(highest[first:last])
+        context = slice(start, stop) if start < stop else slice(0, 0)
+        mask = _tile_mask(anchors.positions[first:last], anchors.valid[first:last], document_ids, context, block_size, causal, sliding_window)
+        tiles.append(AttentionTile(slice(first * block_size, last * block_size), context, mask))
+    return tiles

@@ -9,15 +9,21 @@ import torch
 from algorithms import losses
 from algorithms.blocks import (
     Anchors,
+    AttentionTile,
     PackedRow,
     aligned_loss_mask,
-    block_attention_mask,
+    attention_tiles,
     block_indices,
     target_indices,
 )
 from algorithms.knobs import AlgorithmConfig
 from algorithms.metrics import MetricCounts, path_counts, pool, scalar_counts, unary_counts
 from algorithms.modeling import DraftBackbone, DraftConfig
+from algorithms.unary_head import UnaryHead, UnaryObjective, unary_head
+
+# Queries per block-sparse attention tile: small enough to skip most of the dense mask, large enough
+# that per-tile overhead stays negligible.
+ATTENTION_TILE_QUERIES = 128
 
 
 @dataclass
@@ -33,8 +39,7 @@ class BlockForward:
     """Everything one anchored-block forward produces, shared by the loss and the metrics."""
 
     hidden: torch.Tensor  # [M, H] final-normed draft states
-    unary_logits: torch.Tensor  # [M, V] transformed, fp32
-    target_logits: torch.Tensor  # [M, V] verifier logits for each slot's target, fp32, no grad
+    head: UnaryHead  # unary loss and per-row statistics against the verifier's logits
     mask: torch.Tensor  # [M] aligned loss mask
     block_tokens: torch.Tensor  # [N, B] dataset tokens under each block
 
@@ -64,6 +69,15 @@ class DFlashDraft(DraftBackbone):
     def candidate_top_k(self) -> int:
         return self.algorithm.knobs.candidate_top_k
 
+    @property
+    def objective(self) -> UnaryObjective:
+        shared = self.shared
+        return UnaryObjective(
+            loss_weights=shared.loss_weights, position_weighting=shared.position_weighting,
+            decay_gamma=shared.decay_gamma, dpace_alpha=shared.dpace_alpha,
+            sample_from_anchor=shared.sample_from_anchor, block_size=self.block_size, top_k=self.candidate_top_k,
+        )
+
     def forward_blocks(self, row: PackedRow, anchors: Anchors) -> BlockForward:
         """Run all anchored blocks of a packed row as one flattened query axis."""
         size = self.block_size
@@ -72,57 +86,38 @@ class DFlashDraft(DraftBackbone):
         block_ids[::size] = row.input_ids[anchors.positions]
         slots = torch.arange(flat.shape[0], device=flat.device) % size
         block_positions = row.position_ids[anchors.positions].repeat_interleave(size) + slots
-        mask = block_attention_mask(anchors, row.document_ids, size, self.config.causal_blocks, self.config.sliding_window)
-        hidden = self(row.features, row.position_ids, block_ids, block_positions, mask, size)
-        with torch.no_grad():
-            rows = target_indices(anchors.positions, size, row.length, self.shared.sample_from_anchor)
-            target_logits = self.output_logits(row.target_hidden[rows])
-        return BlockForward(
-            hidden=hidden,
-            unary_logits=self.output_logits(hidden),
-            target_logits=target_logits,
-            mask=aligned_loss_mask(row.loss_mask, anchors, size, self.shared.sample_from_anchor),
-            block_tokens=row.input_ids[flat].view(-1, size),
+        tiles = attention_tiles(
+            anchors, row.document_ids, size, self.config.causal_blocks, self.config.sliding_window,
+            blocks_per_tile=max(1, ATTENTION_TILE_QUERIES // size),
         )
+        hidden = self(row.features, row.position_ids, block_ids, block_positions, tiles, size)
+        loss_mask = aligned_loss_mask(row.loss_mask, anchors, size, self.shared.sample_from_anchor)
+        head = unary_head(
+            hidden, row.target_hidden, target_indices(anchors.positions, size, row.length, self.shared.sample_from_anchor),
+            loss_mask, self.head_weight, self.logit_transform, self.objective,
+        )
+        return BlockForward(hidden=hidden, head=head, mask=loss_mask, block_tokens=row.input_ids[flat].view(-1, size))
 
     def weighted_loss(self, per_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Reduce one term with the configured position weighting (spec §5.2-5.5)."""
-        slots = torch.arange(mask.shape[0], device=mask.device) % self.block_size
-        weights = losses.position_weights(
-            per_position, mask, slots, self.block_size, self.shared.position_weighting,
-            self.shared.decay_gamma, self.shared.dpace_alpha, self.shared.sample_from_anchor,
-        )
-        return losses.reduce_weighted(per_position, weights, mask)
-
-    def unary_objective(self, draft_logprobs: torch.Tensor, target_logprobs: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The compound unary loss and each unweighted term."""
-        terms = {
-            name: self.weighted_loss(losses.PER_POSITION_LOSSES[name](draft_logprobs, target_logprobs), mask)
-            for name in self.shared.loss_weights
-        }
-        total = sum(weight * terms[name] for name, weight in self.shared.loss_weights.items())
-        return total, terms
+        """Reduce one per-position term with the configured position weighting (spec §5.2-5.5)."""
+        return losses.reduce_weighted(per_position, self.objective.weights(per_position, mask), mask)
 
     def training_forward(self, row: PackedRow, anchors: Anchors) -> StepOutput:
         out = self.forward_blocks(row, anchors)
-        draft_logprobs = torch.log_softmax(out.unary_logits, dim=-1)
-        target_logprobs = torch.log_softmax(out.target_logits, dim=-1)
-        unary_loss, terms = self.unary_objective(draft_logprobs, target_logprobs, out.mask)
-        candidate_ids = out.unary_logits.detach().topk(self.candidate_top_k, dim=-1).indices
-        loss, counts = self.extra_objective(out, unary_loss, candidate_ids, target_logprobs)
-        scalars = {"loss": loss, "unary_loss": unary_loss}
-        if len(terms) > 1:
-            scalars.update({f"{name}_loss": value for name, value in terms.items()})
+        loss, counts = self.extra_objective(out)
+        scalars = {"loss": loss, "unary_loss": out.head.loss}
+        if len(out.head.terms) > 1:
+            scalars.update({f"{name}_loss": value for name, value in out.head.terms.items()})
         pool(counts, scalar_counts(scalars))
-        pool(counts, unary_counts(draft_logprobs.detach(), target_logprobs, out.mask, candidate_ids, self.block_size, self.shared.first_draft_slot))
+        pool(counts, unary_counts(out.head.stats, out.mask, self.block_size, self.shared.first_draft_slot))
         return StepOutput(loss, counts)
 
-    def extra_objective(self, out: BlockForward, unary_loss: torch.Tensor, candidate_ids: torch.Tensor, target_logprobs: torch.Tensor) -> tuple[torch.Tensor, MetricCounts]:
+    def extra_objective(self, out: BlockForward) -> tuple[torch.Tensor, MetricCounts]:
         """DFlash's loss is the unary loss; its realized path is the unary argmax path."""
         first = self.shared.first_draft_slot
         blocks = lambda x: x.view(-1, self.block_size)[:, first:]  # noqa: E731
-        correct = blocks(out.unary_logits.detach().argmax(-1) == target_logprobs.argmax(-1))
-        return unary_loss, path_counts("realized", correct, blocks(out.mask > 0), first)
+        correct = blocks(out.head.stats.draft_ids == out.head.stats.target_ids)
+        return out.head.loss, path_counts("realized", correct, blocks(out.mask > 0), first)
 
     @torch.no_grad()
     def propose(
@@ -154,8 +149,8 @@ class DFlashDraft(DraftBackbone):
         block_visible = torch.ones(size, size, dtype=torch.bool, device=device)
         if self.config.causal_blocks:
             block_visible = block_visible.tril()
-        mask = torch.cat([context_visible, block_visible], dim=1)
-        return self(features, context_positions, block_ids, block_positions, mask, size)
+        tile = AttentionTile(slice(0, size), slice(0, length), torch.cat([context_visible, block_visible], dim=1))
+        return self(features, context_positions, block_ids, block_positions, [tile], size)
 
     def propose_from_hidden(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int, temperature: float, generator) -> Proposal:
         """Proposals from the draft slots' hidden states and transformed unary logits."""

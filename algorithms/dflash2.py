@@ -12,15 +12,24 @@ from algorithms.modeling import DraftConfig
 from algorithms.selector import CandidateSelector
 
 
-def inject_target(candidate_ids: torch.Tensor, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Training candidates and labels: a missing target replaces the weakest candidate (label K-1)."""
+def inject_target(candidate_ids: torch.Tensor, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training candidates and labels: a missing target replaces the weakest candidate (label K-1).
+
+    Also returns `present` [M]: whether the original top-K held the target.
+    """
     top_k = candidate_ids.shape[-1]
     matches = candidate_ids == target_ids[:, None]
     present = matches.any(-1)
     labels = torch.where(present, matches.long().argmax(-1), torch.full_like(target_ids, top_k - 1))
     injected = candidate_ids.clone()
     injected[:, -1] = torch.where(present, candidate_ids[:, -1], target_ids)
-    return injected, labels
+    return injected, labels, present
+
+
+def replace_weakest(values: torch.Tensor, replacement: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """Per-candidate values [M, K] of the injected candidates: the last column follows the injection."""
+    last = torch.where(present, values[:, -1], replacement)
+    return torch.cat([values[:, :-1], last[:, None]], dim=1)
 
 
 class DFlash2Draft(DFlashDraft):
@@ -39,28 +48,30 @@ class DFlash2Draft(DFlashDraft):
         """p_k = x_{a+k-1}, the dataset token; slot 0 reuses the anchor. [2,3,4,5] -> [2,2,3,4]."""
         return torch.cat([block_tokens[:, :1], block_tokens[:, :-1]], dim=1).reshape(-1)
 
-    def extra_objective(self, out: BlockForward, unary_loss: torch.Tensor, candidate_ids: torch.Tensor, target_logprobs: torch.Tensor) -> tuple[torch.Tensor, MetricCounts]:
+    def extra_objective(self, out: BlockForward) -> tuple[torch.Tensor, MetricCounts]:
         """L = L_unary + alpha_sel * L_sel, with L_sel a K-way CE over the (injected) unary top-K."""
-        target_ids = target_logprobs.argmax(-1)
+        stats = out.head.stats
         predecessors = self.teacher_predecessors(out.block_tokens)
-        injected_ids, labels = inject_target(candidate_ids, target_ids)
+        injected_ids, labels, present = inject_target(stats.candidate_ids, stats.target_ids)
+        injected_logits = replace_weakest(stats.candidate_logits, stats.target_token_logits, present)
         selector_loss = self.weighted_loss(
-            losses.selector_cross_entropy(self.candidate_selector.scores(out.unary_logits, out.hidden, predecessors, injected_ids), labels),
+            losses.selector_cross_entropy(self.candidate_selector.scores(injected_logits, out.hidden, predecessors, injected_ids), labels),
             out.mask,
         )
+        unary_loss = out.head.loss
         loss = unary_loss + self.knobs.selector_loss_alpha * selector_loss if self.knobs.selector_loss_alpha > 0 else unary_loss
 
         with torch.no_grad():
-            first = self.shared.first_draft_slot
-            teacher_forced = self.candidate_selector.scores(out.unary_logits, out.hidden, predecessors, candidate_ids)
-            size = self.block_size
+            first, size, top_k = self.shared.first_draft_slot, self.block_size, self.candidate_top_k
+            teacher_forced = self.candidate_selector.scores(stats.candidate_logits, out.hidden, predecessors, stats.candidate_ids)
             walk = self.candidate_selector.walk(
-                out.unary_logits.gather(-1, candidate_ids).view(-1, size, self.candidate_top_k)[:, first:],
-                candidate_ids.view(-1, size, self.candidate_top_k)[:, first:],
+                stats.candidate_logits.view(-1, size, top_k)[:, first:],
+                stats.candidate_ids.view(-1, size, top_k)[:, first:],
                 out.hidden.view(-1, size, out.hidden.shape[-1])[:, first:],
                 out.block_tokens[:, 0],
             )
-            counts = selector_counts(teacher_forced, candidate_ids, target_logprobs, out.mask, walk.tokens, injected_ids, size, first)
+            injected_logprobs = replace_weakest(stats.target_candidate_logprobs, stats.target_max_logprobs, present)
+            counts = selector_counts(teacher_forced, stats, out.mask, walk.tokens, injected_logprobs, size, first)
         pool(counts, scalar_counts({"selector_loss": selector_loss}))
         return loss, counts
 

@@ -12,14 +12,21 @@ NLA_EPS = 1e-5
 LK_HYBRID_ETA = 3.0
 
 
-def overlap(draft_logprobs: torch.Tensor, target_logprobs: torch.Tensor) -> torch.Tensor:
+def overlap_of_probs(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
     """alpha = sum_v min(p_v, q_v): the acceptance probability of q under p at temperature 1."""
-    return torch.minimum(draft_logprobs.exp(), target_logprobs.exp()).sum(-1)
+    return torch.minimum(draft_probs, target_probs).sum(-1)
+
+
+def overlap(draft_logprobs: torch.Tensor, target_logprobs: torch.Tensor) -> torch.Tensor:
+    return overlap_of_probs(draft_logprobs.exp(), target_logprobs.exp())
 
 
 def kl_div(draft_logprobs: torch.Tensor, target_logprobs: torch.Tensor) -> torch.Tensor:
-    p = target_logprobs.exp()
-    return (p * (target_logprobs - draft_logprobs)).sum(-1)
+    return _kl_div_of(draft_logprobs, target_logprobs, target_logprobs.exp())
+
+
+def _kl_div_of(draft_logprobs: torch.Tensor, target_logprobs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    return (target_probs * (target_logprobs - draft_logprobs)).sum(-1)
 
 
 def reverse_kl(draft_logprobs: torch.Tensor, target_logprobs: torch.Tensor) -> torch.Tensor:
@@ -61,6 +68,25 @@ PER_POSITION_LOSSES: dict[str, LossFn] = {
     "tv": total_variation,
     "nla": negative_log_acceptance,
     "lk_hybrid": lk_hybrid,
+}
+
+
+def _kl_div_closed_form(draft_logprobs, target_logprobs, draft_probs, target_probs, target_ids):
+    return _kl_div_of(draft_logprobs, target_logprobs, target_probs), draft_probs - target_probs
+
+
+def _cross_entropy_closed_form(draft_logprobs, target_logprobs, draft_probs, target_probs, target_ids):
+    rows = torch.arange(target_ids.shape[0], device=target_ids.device)
+    grad = draft_probs.clone()
+    grad[rows, target_ids] -= 1.0
+    return -draft_logprobs[rows, target_ids], grad
+
+
+# Per-position value and d loss / d draft logits in closed form (softmax minus the target), from
+# (draft_logprobs, target_logprobs, draft_probs, target_probs, target_ids), for the losses that have one.
+CLOSED_FORM_LOSSES = {
+    "kl_div": _kl_div_closed_form,
+    "ce": _cross_entropy_closed_form,
 }
 
 

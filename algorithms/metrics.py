@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.losses import overlap
+from algorithms.unary_head import RowStatistics
 
 PATHS = ("unary", "realized", "oracle")
 UNARY_ACCEPTED_LENGTH = "unary_accepted_length"
@@ -60,28 +60,22 @@ def path_counts(path: str, correct: torch.Tensor, valid: torch.Tensor, first_slo
 
 
 @torch.no_grad()
-def unary_counts(
-    draft_logprobs: torch.Tensor,  # [M, V] fp32 log-softmax of the transformed unary logits
-    target_logprobs: torch.Tensor,  # [M, V] fp32
-    mask: torch.Tensor,  # [M] aligned loss mask
-    candidate_ids: torch.Tensor,  # [M, K] original unary top-K, descending
-    block_size: int,
-    first_slot: int,
-) -> MetricCounts:
-    """Unary and candidate metrics, plus the unary and oracle paths (spec §6.1-6.3)."""
-    top_k = candidate_ids.shape[-1]
-    target_ids = target_logprobs.argmax(-1)
+def unary_counts(stats: RowStatistics, mask: torch.Tensor, block_size: int, first_slot: int) -> MetricCounts:
+    """Unary and candidate metrics, plus the unary and oracle paths (spec §6.1-6.3).
+
+    stats: the unary head's per-row statistics; mask: [M] aligned loss mask.
+    """
+    top_k = stats.candidate_ids.shape[-1]
     valid = mask > 0
     weight = valid.double()
     slots = torch.arange(mask.shape[0], device=mask.device) % block_size
-    unary_correct = draft_logprobs.argmax(-1) == target_ids
-    in_candidates = (candidate_ids == target_ids[:, None]).any(-1)
-    candidate_mass = target_logprobs.gather(-1, candidate_ids).exp().sum(-1)
-    alpha = overlap(draft_logprobs, target_logprobs)
+    unary_correct = stats.draft_ids == stats.target_ids
+    in_candidates = (stats.candidate_ids == stats.target_ids[:, None]).any(-1)
+    candidate_mass = stats.target_candidate_logprobs.exp().sum(-1)
 
     counts: MetricCounts = {
         "unary_full_acc": _pair((unary_correct * weight).sum(), weight.sum()),
-        "accept_rate": _pair((alpha * weight).sum(), weight.sum()),
+        "accept_rate": _pair((stats.overlap * weight).sum(), weight.sum()),
         recall_name(top_k): _pair((in_candidates * weight).sum(), weight.sum()),
         target_mass_name(top_k): _pair((candidate_mass * weight).sum(), weight.sum()),
     }
@@ -93,7 +87,7 @@ def unary_counts(
     blocks = lambda x: x.view(-1, block_size)[:, first_slot:]  # noqa: E731
     block_valid = blocks(valid)
     counted = block_valid.any(-1)
-    tv_length = 1.0 + (blocks(alpha.double() * weight)).cumprod(-1).sum(-1)
+    tv_length = 1.0 + (blocks(stats.overlap.double() * weight)).cumprod(-1).sum(-1)
     counts["accept_len_tv"] = _pair((tv_length * counted).sum(), counted.sum())
     counts.update(path_counts("unary", blocks(unary_correct), block_valid, first_slot))
     counts.update(path_counts("oracle", blocks(in_candidates), block_valid, first_slot))
@@ -103,24 +97,23 @@ def unary_counts(
 @torch.no_grad()
 def selector_counts(
     teacher_forced_scores: torch.Tensor,  # [M, K] over the ORIGINAL candidates, teacher-forced predecessor
-    candidate_ids: torch.Tensor,  # [M, K]
-    target_logprobs: torch.Tensor,  # [M, V]
+    stats: RowStatistics,  # the unary head's per-row statistics
     mask: torch.Tensor,  # [M]
     realized_tokens: torch.Tensor,  # [N, B - first_slot] the greedy selector walk
-    injected_candidate_ids: torch.Tensor,  # [M, K] training candidates (for the parity-named mass only)
+    injected_target_logprobs: torch.Tensor,  # [M, K] target log-probs of the training candidates (parity-named mass only)
     block_size: int,
     first_slot: int,
 ) -> MetricCounts:
     """Selector metrics (spec §6.2, §6.5) and the realized path (D3). The injection never enters them."""
+    candidate_ids, target_ids = stats.candidate_ids, stats.target_ids
     top_k = candidate_ids.shape[-1]
-    target_ids = target_logprobs.argmax(-1)
     weight = (mask > 0).double()
     in_candidates = (candidate_ids == target_ids[:, None]).any(-1)
     chosen = candidate_ids.gather(-1, teacher_forced_scores.argmax(-1, keepdim=True)).squeeze(-1)
     selector_hit = (chosen == target_ids) & in_candidates
     selector_probs = torch.softmax(teacher_forced_scores.float(), dim=-1)
-    selector_alpha = torch.minimum(target_logprobs.gather(-1, candidate_ids).exp(), selector_probs).sum(-1)
-    injected_mass = target_logprobs.gather(-1, injected_candidate_ids).exp().sum(-1)
+    selector_alpha = torch.minimum(stats.target_candidate_logprobs.exp(), selector_probs).sum(-1)
+    injected_mass = injected_target_logprobs.exp().sum(-1)
 
     blocks = lambda x: x.view(-1, block_size)[:, first_slot:]  # noqa: E731
     counts: MetricCounts = {

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from algorithms.blocks import AttentionTile
 from algorithms.conv import GroupedDynamicConv
 from algorithms.knobs import knob_error
 
@@ -113,16 +114,23 @@ class DraftAttention(nn.Module):
         context: torch.Tensor,  # [T, H]
         rotary_q: tuple[torch.Tensor, torch.Tensor],  # [M, d]
         rotary_k: tuple[torch.Tensor, torch.Tensor],  # [T+M, d]
-        mask: torch.Tensor,  # [M, T+M] bool
+        tiles: list[AttentionTile],  # block-sparse layout covering the M queries in order
     ) -> torch.Tensor:
-        queries, keys_in = block.shape[0], torch.cat([context, block], dim=0)
+        queries, context_length = block.shape[0], context.shape[0]
+        keys_in = torch.cat([context, block], dim=0)
         q = self.q_norm(self.q_proj(block).view(queries, self.num_heads, self.head_dim)).transpose(0, 1)
         k = self.k_norm(self.k_proj(keys_in).view(-1, self.num_kv_heads, self.head_dim)).transpose(0, 1)
         v = self.v_proj(keys_in).view(-1, self.num_kv_heads, self.head_dim).transpose(0, 1)
         q, k = apply_rotary(q, *rotary_q), apply_rotary(k, *rotary_k)
-        repeat = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(repeat, dim=0), v.repeat_interleave(repeat, dim=0)
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask[None, None])[0]
+        outputs = []
+        for tile in tiles:
+            own = slice(context_length + tile.queries.start, context_length + tile.queries.stop)
+            tile_k = torch.cat([k[:, tile.context], k[:, own]], dim=1)
+            tile_v = torch.cat([v[:, tile.context], v[:, own]], dim=1)
+            outputs.append(F.scaled_dot_product_attention(
+                q[None, :, tile.queries], tile_k[None], tile_v[None], attn_mask=tile.mask[None, None], enable_gqa=True,
+            )[0])
+        out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
         return self.o_proj(out.transpose(0, 1).reshape(queries, -1))
 
 
@@ -161,10 +169,10 @@ class DraftDecoderLayer(nn.Module):
         delta = conv.dynamic_taps(u)  # both sides' taps come from the normed input
         return conv(sublayer(conv(u, delta, side=0, block_len=block_len)), delta, side=1, block_len=block_len)
 
-    def forward(self, x, context, rotary_q, rotary_k, mask, block_len: int) -> torch.Tensor:
+    def forward(self, x, context, rotary_q, rotary_k, tiles: list[AttentionTile], block_len: int) -> torch.Tensor:
         u = self.input_layernorm(x)
         x = x + self._wrapped(
-            self.attention_conv, lambda y: self.self_attn(y, context, rotary_q, rotary_k, mask), u, block_len
+            self.attention_conv, lambda y: self.self_attn(y, context, rotary_q, rotary_k, tiles), u, block_len
         )
         v = self.post_attention_layernorm(x)
         return x + self._wrapped(self.mlp_conv, self.mlp, v, block_len)
@@ -202,7 +210,8 @@ class DraftBackbone(nn.Module):
     def logit_transform(self, logits: torch.Tensor) -> torch.Tensor:
         """The verifier's final-logit transform: multiplier then softcap, before any top-K."""
         t = self.config.target
-        logits = logits * t.output_multiplier
+        if t.output_multiplier != 1.0:
+            logits = logits * t.output_multiplier
         if t.final_logit_softcapping:
             logits = t.final_logit_softcapping * torch.tanh(logits / t.final_logit_softcapping)
         return logits
@@ -217,7 +226,7 @@ class DraftBackbone(nn.Module):
         context_positions: torch.Tensor,  # [T]
         block_input_ids: torch.Tensor,  # [M]
         block_positions: torch.Tensor,  # [M]
-        mask: torch.Tensor,  # [M, T+M] bool
+        tiles: list[AttentionTile],  # block-sparse attention layout
         block_len: int,
     ) -> torch.Tensor:
         """Final-normed draft hidden states h [M, H] (the lm_head input)."""
@@ -228,5 +237,5 @@ class DraftBackbone(nn.Module):
         rotary_k = rotary_cos_sin(torch.cat([context_positions, block_positions]), t.head_dim, t.rope_theta, dtype)
         rotary_q = (rotary_k[0][-block_positions.shape[0]:], rotary_k[1][-block_positions.shape[0]:])
         for layer in self.layers:
-            x = layer(x, context, rotary_q, rotary_k, mask, block_len)
+            x = layer(x, context, rotary_q, rotary_k, tiles, block_len)
         return self.norm(x)

@@ -33,10 +33,9 @@ class CandidateSelector(nn.Module):
         context = self.predecessor_codebook[predecessor_ids].float() * projected_hidden.float()
         return torch.einsum("...r,...kr->...k", context, self.successor_codebook[candidate_ids].float())
 
-    def scores(self, unary_logits: torch.Tensor, hidden: torch.Tensor, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced scores of candidates [M, K] (unary logits already transformed)."""
-        unary = unary_logits.float().gather(-1, candidate_ids)
-        return unary + self.transition(self.hidden_projection(hidden), predecessor_ids, candidate_ids)
+    def scores(self, candidate_unary: torch.Tensor, hidden: torch.Tensor, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced scores of candidates [M, K] from their transformed unary logits [M, K]."""
+        return candidate_unary.float() + self.transition(self.hidden_projection(hidden), predecessor_ids, candidate_ids)
 
     def walk(
         self,

@@ -1,8 +1,10 @@
+import pytest
 import torch
 
 from algorithms.blocks import (
     Anchors,
     PackedRow,
+    attention_tiles,
     block_attention_mask,
     block_indices,
     eligible_anchor_mask,
@@ -49,18 +51,25 @@ def test_padding_anchor_sees_only_its_block():
     assert not mask[2:, :8].any() and mask[2:, 8 + 2:].all()
 
 
+def _random_packing(generator: torch.Generator, max_doc: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-4 documents of 1..max_doc tokens, then up to 3 padding tokens; a random loss mask on documents."""
+    sizes = torch.randint(1, max_doc + 1, (int(torch.randint(1, 5, (1,), generator=generator)),), generator=generator).tolist()
+    length = sum(sizes) + int(torch.randint(0, 4, (1,), generator=generator))
+    docs = torch.full((length,), -1)
+    start = 0
+    for doc, size in enumerate(sizes):
+        docs[start:start + size] = doc
+        start += size
+    loss_mask = (torch.rand(length, generator=generator) > 0.3).float() * (docs != -1)
+    return docs, loss_mask
+
+
 def test_no_block_crosses_a_document_over_random_packings():
     generator = torch.Generator().manual_seed(0)
     for trial in range(200):
         block = int(torch.randint(2, 6, (1,), generator=generator))
-        sizes = torch.randint(1, 12, (int(torch.randint(1, 5, (1,), generator=generator)),), generator=generator).tolist()
-        length = sum(sizes) + int(torch.randint(0, 4, (1,), generator=generator))
-        docs = torch.full((length,), -1)
-        start = 0
-        for doc, size in enumerate(sizes):
-            docs[start:start + size] = doc
-            start += size
-        loss_mask = (torch.rand(length, generator=generator) > 0.3).float() * (docs != -1)
+        docs, loss_mask = _random_packing(generator, max_doc=11)
+        length = docs.shape[0]
         eligible = eligible_anchor_mask(loss_mask, docs, block)
         anchors = sample_anchors(loss_mask, docs, block, 6, generator)
         assert int(anchors.valid.sum()) == min(6, int(eligible.sum()))
@@ -70,6 +79,29 @@ def test_no_block_crosses_a_document_over_random_packings():
             assert a + block - 1 < length
             assert bool(loss_mask[a])
             assert (docs[a:a + block] == docs[a]).all() and docs[a] != -1
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, 5)])
+def test_attention_tiles_reassemble_the_dense_mask_over_random_packings(causal, window):
+    """Every visible key of the dense mask lies inside its tile's context span or own blocks, and nothing else."""
+    generator = torch.Generator().manual_seed(1)
+    for trial in range(100):
+        block = int(torch.randint(2, 5, (1,), generator=generator))
+        docs, loss_mask = _random_packing(generator, max_doc=14)
+        length = docs.shape[0]
+        anchors = sample_anchors(loss_mask, docs, block, 7, generator)
+        dense = block_attention_mask(anchors, docs, block, causal, window)
+        rebuilt = torch.zeros_like(dense)
+        tiles = attention_tiles(anchors, docs, block, causal, window, blocks_per_tile=int(torch.randint(1, 4, (1,), generator=generator)))
+        covered = 0
+        for tile in tiles:
+            width = tile.context.stop - tile.context.start
+            rebuilt[tile.queries, tile.context] = tile.mask[:, :width]
+            rebuilt[tile.queries, length + tile.queries.start:length + tile.queries.stop] = tile.mask[:, width:]
+            assert tile.queries.start == covered
+            covered = tile.queries.stop
+        assert covered == dense.shape[0]
+        assert torch.equal(rebuilt, dense), trial
 
 
 def test_target_gather_equals_full_head_and_shift():

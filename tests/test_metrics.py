@@ -1,18 +1,28 @@
 import pytest
 import torch
 
+from dataclasses import replace
+
 from algorithms.metrics import finalize, path_counts, pool, unary_counts
+from algorithms.unary_head import row_statistics
 
 
 def _logprobs(ids, vocab=10, sharp=20.0):
     return (torch.nn.functional.one_hot(torch.tensor(ids), vocab).float() * sharp).log_softmax(-1)
 
 
+def _stats(draft_ids, target_ids, candidates):
+    """Row statistics of sharp one-hot draft/target rows, with hand-chosen candidate lists."""
+    draft, target = _logprobs(draft_ids), _logprobs(target_ids)
+    stats = row_statistics(draft, draft.exp(), target, target.exp(), candidates.shape[-1])
+    return replace(stats, candidate_ids=candidates, target_candidate_logprobs=target.gather(-1, candidates))
+
+
 def test_perfect_draft_block_two_gives_two():
     targets = [0, 3, 0, 7]  # two blocks of B=2; slot 0 is the anchor
     mask = torch.tensor([0.0, 1, 0, 1])
     candidates = torch.tensor([[t, 1] if t != 1 else [1, 2] for t in targets])
-    values = finalize(unary_counts(_logprobs(targets), _logprobs(targets), mask, candidates, 2, 1))
+    values = finalize(unary_counts(_stats(targets, targets, candidates), mask, 2, 1))
     assert values["unary_accepted_length"] == 2.0
     assert values["oracle_accepted_length"] == 2.0
     assert values["accept_len_tv"] == pytest.approx(2.0, abs=1e-6)
@@ -30,7 +40,7 @@ def test_target_outside_top_k_stops_oracle():
     targets = [0, 4, 5, 6]  # one block, B=4
     draft = [0, 4, 9, 6]
     candidates = torch.tensor([[0, 1], [4, 1], [9, 8], [6, 1]])  # slot 2 misses target 5
-    values = finalize(unary_counts(_logprobs(draft), _logprobs(targets), torch.tensor([0.0, 1, 1, 1]), candidates, 4, 1))
+    values = finalize(unary_counts(_stats(draft, targets, candidates), torch.tensor([0.0, 1, 1, 1]), 4, 1))
     assert values["oracle_accepted_length"] == 2.0
     assert values["unary_accepted_length"] == 2.0
     assert values["unary_candidate_recall_at_2"] == pytest.approx(2 / 3)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from algorithms.dflash2 import DFlash2Draft, inject_target
+from algorithms.dflash2 import DFlash2Draft, inject_target, replace_weakest
 from algorithms.selector import CandidateSelector
 
 from conftest import anchors_for, tiny_draft
@@ -13,9 +13,12 @@ def test_teacher_predecessors_example():
 
 def test_injection_example():
     candidates = torch.tensor([[5, 9, 2, 7], [5, 9, 2, 7]])
-    injected, labels = inject_target(candidates, torch.tensor([3, 9]))
+    injected, labels, present = inject_target(candidates, torch.tensor([3, 9]))
     assert injected.tolist() == [[5, 9, 2, 3], [5, 9, 2, 7]]
     assert labels.tolist() == [3, 1]
+    assert present.tolist() == [False, True]
+    values = torch.tensor([[4.0, 3, 2, 1], [4.0, 3, 2, 1]])
+    assert replace_weakest(values, torch.tensor([-1.0, -2.0]), present).tolist() == [[4, 3, 2, -1], [4, 3, 2, 1]]
 
 
 def _selector(seed=0, vocab=40, hidden=8, rank=4):
@@ -62,11 +65,11 @@ def test_teacher_forced_scoring_equals_walk_while_path_is_correct(row):
     draft = tiny_draft("dflash2", selector_init="normal")
     anchors = anchors_for(row)
     out = draft.forward_blocks(row, anchors)
-    candidate_ids = out.unary_logits.topk(4, dim=-1).indices
+    candidate_ids, candidate_logits = out.head.stats.candidate_ids, out.head.stats.candidate_logits
     predecessors = draft.teacher_predecessors(out.block_tokens)
-    teacher = candidate_ids.gather(-1, draft.candidate_selector.scores(out.unary_logits, out.hidden, predecessors, candidate_ids).argmax(-1, keepdim=True)).squeeze(-1).view(-1, 4)
+    teacher = candidate_ids.gather(-1, draft.candidate_selector.scores(candidate_logits, out.hidden, predecessors, candidate_ids).argmax(-1, keepdim=True)).squeeze(-1).view(-1, 4)
     walk = draft.candidate_selector.walk(
-        out.unary_logits.gather(-1, candidate_ids).view(-1, 4, 4)[:, 1:], candidate_ids.view(-1, 4, 4)[:, 1:],
+        candidate_logits.view(-1, 4, 4)[:, 1:], candidate_ids.view(-1, 4, 4)[:, 1:],
         out.hidden.view(-1, 4, out.hidden.shape[-1])[:, 1:], out.block_tokens[:, 0],
     ).tokens
     tokens = out.block_tokens[:, 1:]
@@ -78,7 +81,7 @@ def test_teacher_forced_scoring_equals_walk_while_path_is_correct(row):
     # Force agreement on a whole block: feed the walk's own path as the dataset tokens.
     forced = out.block_tokens.clone()
     forced[:, 1:] = walk
-    forced_teacher = candidate_ids.gather(-1, draft.candidate_selector.scores(out.unary_logits, out.hidden, draft.teacher_predecessors(forced), candidate_ids).argmax(-1, keepdim=True)).squeeze(-1).view(-1, 4)
+    forced_teacher = candidate_ids.gather(-1, draft.candidate_selector.scores(candidate_logits, out.hidden, draft.teacher_predecessors(forced), candidate_ids).argmax(-1, keepdim=True)).squeeze(-1).view(-1, 4)
     assert torch.equal(forced_teacher[:, 1:], walk)
 
 
@@ -95,10 +98,9 @@ def test_selector_loss_injects_target_only_when_missing_and_metrics_ignore_it(ro
     draft = tiny_draft("dflash2")
     anchors = anchors_for(row)
     out = draft.forward_blocks(row, anchors)
-    target_ids = out.target_logits.argmax(-1)
-    candidate_ids = out.unary_logits.topk(4, dim=-1).indices
-    injected, labels = inject_target(candidate_ids, target_ids)
-    present = (candidate_ids == target_ids[:, None]).any(-1)
+    target_ids, candidate_ids = out.head.stats.target_ids, out.head.stats.candidate_ids
+    injected, labels, present = inject_target(candidate_ids, target_ids)
+    assert torch.equal(present, (candidate_ids == target_ids[:, None]).any(-1))
     assert torch.equal(injected[present], candidate_ids[present])
     assert (injected[~present, -1] == target_ids[~present]).all() and (labels[~present] == 3).all()
     assert (injected.gather(-1, labels[:, None]).squeeze(-1) == target_ids).all()
