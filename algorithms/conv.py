@@ -33,13 +33,14 @@ class GroupedDynamicConv(nn.Module):
     def forward(self, sequence: torch.Tensor, delta: torch.Tensor, side: int, block_len: int) -> torch.Tensor:
         """Convolve `sequence` [M, H], laid out as consecutive blocks of `block_len` slots."""
         length, hidden = sequence.shape
-        k, groups = self.kernel_size, self.num_groups
-        blocks = sequence.float().view(-1, block_len, hidden)
-        # Zero padding before slot 0 of every block is the anchor-block boundary: taps never cross it.
-        padded = F.pad(blocks, (0, 0, k - 1, 0))
-        windows = padded.unfold(1, k, 1).flip(-1)  # [N, L, H, K]; last dim indexed by tap tau
-        windows = windows.reshape(length, groups, self.group_size, k)
-        base = self.base_kernel[side].float().T.reshape(groups, self.group_size, k)
-        dynamic = delta[:, side].float().transpose(1, 2)[:, :, None, :]  # [M, G, 1, K]
-        out = (windows * (base + dynamic)).sum(-1)
+        groups, group_size = self.num_groups, self.group_size
+        blocks = sequence.float().view(-1, block_len, groups, group_size)
+        base = self.base_kernel[side].float().view(self.kernel_size, groups, group_size)
+        taps = delta[:, side].float().view(-1, block_len, self.kernel_size, groups)
+        out = blocks * (base[0] + taps[:, :, 0, :, None])
+        for tau in range(1, self.kernel_size):
+            # Slot t reads slot t - tau of its own block: the zero padding before slot 0 is the block
+            # boundary, so taps never cross it.
+            shifted = F.pad(blocks[:, :-tau], (0, 0, 0, 0, tau, 0))
+            out = out + shifted * (base[tau] + taps[:, :, tau, :, None])
         return out.reshape(length, hidden).to(sequence.dtype)

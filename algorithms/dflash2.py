@@ -50,28 +50,29 @@ class DFlash2Draft(DFlashDraft):
 
     def extra_objective(self, out: BlockForward) -> tuple[torch.Tensor, MetricCounts]:
         """L = L_unary + alpha_sel * L_sel, with L_sel a K-way CE over the (injected) unary top-K."""
-        stats = out.head.stats
+        stats, selector = out.head.stats, self.candidate_selector
+        first, size, top_k = self.shared.first_draft_slot, self.block_size, self.candidate_top_k
         predecessors = self.teacher_predecessors(out.block_tokens)
         injected_ids, labels, present = inject_target(stats.candidate_ids, stats.target_ids)
-        injected_logits = replace_weakest(stats.candidate_logits, stats.target_token_logits, present)
-        selector_loss = self.weighted_loss(
-            losses.selector_cross_entropy(self.candidate_selector.scores(injected_logits, out.hidden, predecessors, injected_ids), labels),
-            out.mask,
-        )
+        # Score the K candidates and the target token in one pass: the training scores (target injected
+        # where missing) and the teacher-forced scores (original candidates) share everything else.
+        projected = selector.hidden_projection(out.hidden)
+        successors = selector.successors(torch.cat([stats.candidate_ids, stats.target_ids[:, None]], dim=1))
+        unary = torch.cat([stats.candidate_logits, stats.target_token_logits[:, None]], dim=1)
+        all_scores = unary.float() + selector.transition(projected, predecessors, successors)
+        training_scores = replace_weakest(all_scores[:, :top_k], all_scores[:, top_k], present)
+        selector_loss = self.weighted_loss(losses.selector_cross_entropy(training_scores, labels), out.mask)
         unary_loss = out.head.loss
         loss = unary_loss + self.knobs.selector_loss_alpha * selector_loss if self.knobs.selector_loss_alpha > 0 else unary_loss
 
         with torch.no_grad():
-            first, size, top_k = self.shared.first_draft_slot, self.block_size, self.candidate_top_k
-            teacher_forced = self.candidate_selector.scores(stats.candidate_logits, out.hidden, predecessors, stats.candidate_ids)
-            walk = self.candidate_selector.walk(
-                stats.candidate_logits.view(-1, size, top_k)[:, first:],
-                stats.candidate_ids.view(-1, size, top_k)[:, first:],
-                out.hidden.view(-1, size, out.hidden.shape[-1])[:, first:],
-                out.block_tokens[:, 0],
+            blocks = lambda x: x.detach().view(-1, size, *x.shape[1:])[:, first:]  # noqa: E731
+            walk = selector.walk_projected(
+                blocks(stats.candidate_logits), blocks(stats.candidate_ids), blocks(projected),
+                blocks(successors[:, :top_k]), out.block_tokens[:, 0],
             )
             injected_logprobs = replace_weakest(stats.target_candidate_logprobs, stats.target_max_logprobs, present)
-            counts = selector_counts(teacher_forced, stats, out.mask, walk.tokens, injected_logprobs, size, first)
+            counts = selector_counts(all_scores[:, :top_k].detach(), stats, out.mask, walk.tokens, injected_logprobs, size, first)
         pool(counts, scalar_counts({"selector_loss": selector_loss}))
         return loss, counts
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -28,14 +29,19 @@ class CandidateSelector(nn.Module):
         else:
             nn.init.zeros_(self.successor_codebook)
 
-    def transition(self, projected_hidden: torch.Tensor, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
-        """[..., K] transition scores for candidates [..., K] after predecessors [...]; fp32."""
-        context = self.predecessor_codebook[predecessor_ids].float() * projected_hidden.float()
-        return torch.einsum("...r,...kr->...k", context, self.successor_codebook[candidate_ids].float())
+    def successors(self, candidate_ids: torch.Tensor) -> torch.Tensor:
+        """S[c] for candidates [..., K] -> [..., K, R], fp32."""
+        # F.embedding: its backward accumulates rows far faster than indexing's on CPU.
+        return F.embedding(candidate_ids, self.successor_codebook).float()
+
+    def transition(self, projected_hidden: torch.Tensor, predecessor_ids: torch.Tensor, successors: torch.Tensor) -> torch.Tensor:
+        """[..., K] transition scores after predecessors [...], from W_h h [..., R] and S[c] [..., K, R]; fp32."""
+        context = F.embedding(predecessor_ids, self.predecessor_codebook).float() * projected_hidden.float()
+        return torch.einsum("...r,...kr->...k", context, successors)
 
     def scores(self, candidate_unary: torch.Tensor, hidden: torch.Tensor, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced scores of candidates [M, K] from their transformed unary logits [M, K]."""
-        return candidate_unary.float() + self.transition(self.hidden_projection(hidden), predecessor_ids, candidate_ids)
+        return candidate_unary.float() + self.transition(self.hidden_projection(hidden), predecessor_ids, self.successors(candidate_ids))
 
     def walk(
         self,
@@ -46,18 +52,30 @@ class CandidateSelector(nn.Module):
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
     ) -> SelectorPath:
-        """Walk slot by slot from the anchor, feeding each selected token forward.
+        """Walk slot by slot from the anchor, feeding each selected token forward (see `walk_projected`)."""
+        return self.walk_projected(
+            candidate_unary, candidate_ids, self.hidden_projection(hidden), self.successors(candidate_ids), anchor_ids, temperature, generator
+        )
+
+    def walk_projected(
+        self,
+        candidate_unary: torch.Tensor,  # [N, S, K]
+        candidate_ids: torch.Tensor,  # [N, S, K]
+        projected_hidden: torch.Tensor,  # [N, S, R] W_h h of the draft slots
+        successors: torch.Tensor,  # [N, S, K, R] S[c] of the candidates
+        anchor_ids: torch.Tensor,  # [N]
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> SelectorPath:
+        """The walk from precomputed projections, which training shares with its teacher-forced scores.
 
         Greedy at temperature 0 (first index on ties = highest unary); otherwise sample over the
         K candidates from softmax(score / T) and keep each realized row for rejection sampling.
         """
-        projected = self.hidden_projection(hidden)
-        successors = self.successor_codebook[candidate_ids].float()  # [N, S, K, R]
         previous = anchor_ids
         tokens, rows = [], []
         for slot in range(candidate_ids.shape[1]):
-            context = self.predecessor_codebook[previous].float() * projected[:, slot].float()
-            score = candidate_unary[:, slot].float() + torch.einsum("nr,nkr->nk", context, successors[:, slot])
+            score = candidate_unary[:, slot].float() + self.transition(projected_hidden[:, slot], previous, successors[:, slot])
             if temperature > 0:
                 probs = torch.softmax(score / temperature, dim=-1)
                 choice = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
