@@ -37,10 +37,44 @@ class GroupedDynamicConv(nn.Module):
         blocks = sequence.float().view(-1, block_len, groups, group_size)
         base = self.base_kernel[side].float().view(self.kernel_size, groups, group_size)
         taps = delta[:, side].float().view(-1, block_len, self.kernel_size, groups)
-        out = blocks * (base[0] + taps[:, :, 0, :, None])
-        for tau in range(1, self.kernel_size):
-            # Slot t reads slot t - tau of its own block: the zero padding before slot 0 is the block
-            # boundary, so taps never cross it.
-            shifted = F.pad(blocks[:, :-tau], (0, 0, 0, 0, tau, 0))
-            out = out + shifted * (base[tau] + taps[:, :, tau, :, None])
-        return out.reshape(length, hidden).to(sequence.dtype)
+        return _BlockConv.apply(blocks, base, taps).reshape(length, hidden).to(sequence.dtype)
+
+
+def _shift(blocks: torch.Tensor, tau: int) -> torch.Tensor:
+    """Slot t takes slot t - tau of its own block; the zero padding before slot 0 is the block boundary."""
+    return blocks if tau == 0 else F.pad(blocks[:, :-tau], (0, 0, 0, 0, tau, 0))
+
+
+def _tap_weight(base: torch.Tensor, taps: torch.Tensor, tau: int) -> torch.Tensor:
+    """base[tau] + delta[..., tau] broadcast over each group's channels: [N, L, G, g]."""
+    return base[tau] + taps[:, :, tau, :, None]
+
+
+class _BlockConv(torch.autograd.Function):
+    """out = sum_tau shift_tau(x) * (base[tau] + delta_tau), blocks [N, L, G, g], base [K, G, g], taps [N, L, K, G].
+
+    Saves only its inputs and recomputes the per-tap weights and shifts in backward: autograd would
+    keep two [M, H] tensors per tap alive until backward.
+    """
+
+    @staticmethod
+    def forward(ctx, blocks, base, taps):
+        ctx.save_for_backward(blocks, base, taps)
+        out = blocks * _tap_weight(base, taps, 0)
+        for tau in range(1, base.shape[0]):
+            out += _shift(blocks, tau) * _tap_weight(base, taps, tau)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        blocks, base, taps = ctx.saved_tensors
+        grad_blocks = grad_out * _tap_weight(base, taps, 0)
+        grad_base = torch.empty_like(base)
+        grad_taps = torch.empty_like(taps)
+        for tau in range(base.shape[0]):
+            product = grad_out * _shift(blocks, tau)
+            grad_base[tau] = product.sum((0, 1))
+            grad_taps[:, :, tau] = product.sum(-1)
+            if tau:
+                grad_blocks[:, :-tau] += (grad_out * _tap_weight(base, taps, tau))[:, tau:]
+        return grad_blocks, grad_base, grad_taps

@@ -22,11 +22,8 @@ def overlap(draft_logprobs: torch.Tensor, target_logprobs: torch.Tensor) -> torc
 
 
 def kl_div(draft_logprobs: torch.Tensor, target_logprobs: torch.Tensor) -> torch.Tensor:
-    return _kl_div_of(draft_logprobs, target_logprobs, target_logprobs.exp())
-
-
-def _kl_div_of(draft_logprobs: torch.Tensor, target_logprobs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    return (target_probs * (target_logprobs - draft_logprobs)).sum(-1)
+    p = target_logprobs.exp()
+    return (p * (target_logprobs - draft_logprobs)).sum(-1)
 
 
 def reverse_kl(draft_logprobs: torch.Tensor, target_logprobs: torch.Tensor) -> torch.Tensor:
@@ -72,18 +69,20 @@ PER_POSITION_LOSSES: dict[str, LossFn] = {
 
 
 def _kl_div_closed_form(draft_logprobs, target_logprobs, draft_probs, target_probs, target_ids):
-    return _kl_div_of(draft_logprobs, target_logprobs, target_probs), draft_probs - target_probs
+    log_ratio = target_logprobs - draft_logprobs
+    value = log_ratio.mul_(target_probs).sum(-1)
+    return value, draft_probs.sub_(target_probs)
 
 
 def _cross_entropy_closed_form(draft_logprobs, target_logprobs, draft_probs, target_probs, target_ids):
     rows = torch.arange(target_ids.shape[0], device=target_ids.device)
-    grad = draft_probs.clone()
-    grad[rows, target_ids] -= 1.0
-    return -draft_logprobs[rows, target_ids], grad
+    draft_probs[rows, target_ids] -= 1.0
+    return -draft_logprobs[rows, target_ids], draft_probs
 
 
 # Per-position value and d loss / d draft logits in closed form (softmax minus the target), from
-# (draft_logprobs, target_logprobs, draft_probs, target_probs, target_ids), for the losses that have one.
+# (draft_logprobs, target_logprobs, draft_probs, target_probs, target_ids), for the losses that have
+# one. The gradient is written into draft_probs, to keep one [rows, vocab] tensor fewer alive.
 CLOSED_FORM_LOSSES = {
     "kl_div": _kl_div_closed_form,
     "ce": _cross_entropy_closed_form,

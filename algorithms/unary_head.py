@@ -122,24 +122,26 @@ def unary_head(
             draft_logits = logit_transform(raw_logits)
             draft_logprobs = torch.log_softmax(draft_logits, dim=-1)
         with torch.no_grad():
-            unique_rows, inverse = torch.unique(target_rows[rows_out], return_inverse=True)
-            target_logits = logit_transform(F.linear(target_hidden[unique_rows].to(compute_dtype), compute_head).float())
-            target_logprobs = torch.log_softmax(target_logits, dim=-1)[inverse]
+            target_logprobs = _target_logprobs(target_hidden, target_rows[rows_out], compute_head, logit_transform)
             draft_probs, target_probs = draft_logprobs.detach().exp(), target_logprobs.exp()
             chunk = row_statistics(draft_logits.detach(), draft_probs, target_logprobs, target_probs, top_k)
             for field in RowStatistics.__dataclass_fields__:
                 getattr(stats, field)[rows_out] = getattr(chunk, field)
             raw_gathered[rows_out] = raw_logits.detach().gather(-1, torch.cat([chunk.candidate_ids, chunk.target_ids[:, None]], 1))
+        if not use_autograd:
+            del draft_logits  # the chunk holds as few [rows, vocab] tensors as it can
 
         chunk_loss, grad_logits = torch.zeros((), device=hidden.device), None
-        for name, weight in objective.loss_weights.items():
+        for term, (name, weight) in enumerate(objective.loss_weights.items()):
             with grad_mode():
                 if closed_form:
+                    # The closed forms overwrite draft_probs; only the last term may have it.
+                    last = term == len(objective.loss_weights) - 1
                     supervised_loss, term_grad = losses.CLOSED_FORM_LOSSES[name](
-                        draft_logprobs, target_logprobs, draft_probs, target_probs, chunk.target_ids
+                        draft_logprobs, target_logprobs, draft_probs if last else draft_probs.clone(), target_probs, chunk.target_ids
                     )
                 else:
-                    supervised_loss = losses.PER_POSITION_LOSSES[name](draft_logprobs, target_logprobs)
+                    supervised_loss, term_grad = losses.PER_POSITION_LOSSES[name](draft_logprobs, target_logprobs), None
                 per_position = torch.zeros(chunk_mask.shape, device=hidden.device).index_put((supervised,), supervised_loss)
                 scale = objective.weights(per_position.detach(), chunk_mask) * chunk_mask
                 term_sum = (scale * per_position).sum()
@@ -149,6 +151,8 @@ def unary_head(
             elif needs_grad:
                 term_grad.mul_((weight * scale[supervised] / denominator)[:, None])
                 grad_logits = term_grad if grad_logits is None else grad_logits.add_(term_grad)
+            del term_grad
+        del draft_probs, target_probs, target_logprobs, draft_logprobs
         if use_autograd:
             (grad,) = torch.autograd.grad(chunk_loss, draft_hidden)
             loss_grad[rows_out] = grad / denominator
@@ -161,6 +165,13 @@ def unary_head(
     loss, gathered_logits = _HeadGradient.apply(hidden, loss_value, raw_gathered, loss_grad, gathered_ids, mask, head_weight, logit_transform)
     stats.candidate_logits, stats.target_token_logits = gathered_logits[:, :top_k], gathered_logits[:, top_k]
     return UnaryHead(loss=loss, terms=terms, stats=stats)
+
+
+def _target_logprobs(target_hidden, rows: torch.Tensor, compute_head: torch.Tensor, logit_transform) -> torch.Tensor:
+    """fp32 target log-probs for each row; rows shared by overlapping blocks go through the head once."""
+    unique_rows, inverse = torch.unique(rows, return_inverse=True)
+    logits = logit_transform(F.linear(target_hidden[unique_rows].to(compute_head.dtype), compute_head).float())
+    return torch.log_softmax(logits, dim=-1)[inverse]
 
 
 def _empty_statistics(rows: int, top_k: int, device: torch.device) -> RowStatistics:

@@ -72,8 +72,8 @@ def speculators_inputs(row: PackedRow, pre_norm_last_hidden: torch.Tensor) -> di
     )
 
 
-def speculators_train_kwargs(ours: DFlashDraft) -> dict:
-    """Their trainer kwargs for our knobs, with eager (CPU) losses."""
+def speculators_train_kwargs(ours: DFlashDraft, losses: str = "eager") -> dict:
+    """Their trainer kwargs for our knobs; `losses` is their implementation: eager (CPU) or fused (CUDA)."""
     import json
 
     from speculators.losses import resolve_loss_config
@@ -81,9 +81,9 @@ def speculators_train_kwargs(ours: DFlashDraft) -> dict:
     shared = ours.shared
     loss = shared.loss if isinstance(shared.loss, str) else json.dumps(shared.loss)
     kwargs = dict(
-        loss_config=resolve_loss_config(loss, "eager"), gamma=shared.decay_gamma, max_anchors=shared.max_anchors,
+        loss_config=resolve_loss_config(loss, losses), gamma=shared.decay_gamma, max_anchors=shared.max_anchors,
         per_position_loss_weight=shared.position_weighting, dpace_alpha=shared.dpace_alpha,
     )
     if ours.algorithm.algorithm == "dflash2":
-        kwargs.update(tv_loss_fn=resolve_loss_config("tv", "eager")["tv"][0], selector_loss_alpha=ours.knobs.selector_loss_alpha)
+        kwargs.update(tv_loss_fn=resolve_loss_config("tv", losses)["tv"][0], selector_loss_alpha=ours.knobs.selector_loss_alpha)
     return kwargs

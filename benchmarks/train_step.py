@@ -1,16 +1,18 @@
 """Training-step speed and memory, side by side with speculators 0.9.0 on identical shapes, knobs, weights and batch.
 
-    python -m benchmarks.train_step --sizes tiny medium smollm --algorithms dflash dflash2
+    python -m benchmarks.train_step --sizes tiny medium smollm --algorithms dflash dflash2 --precisions fp32 bf16
 
 Prints one JSON line per measurement and writes benchmarks/RESULTS.md. Losses must agree within
 1e-3 relative before anything is timed. Steps are forward + backward + grad clipping, interleaved
-A B A B; peak memory is measured in a fresh process per implementation (RSS on CPU,
+A B A B, both sides under the same precision (fp32, or bf16 autocast with fp32 master weights as
+spec §3.7 trains); peak memory is measured in a fresh process per implementation (RSS on CPU,
 max_memory_allocated on CUDA).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 from algorithms import AlgorithmConfig, TargetSpec, build_draft
-from algorithms.blocks import PackedRow, sample_anchors
+from algorithms.blocks import PackedRow, block_attention_mask, sample_anchors
 from algorithms.modeling import RMSNorm
 from benchmarks.peers import fixed_anchors, speculators_draft, speculators_inputs, speculators_train_kwargs
 
@@ -56,7 +58,33 @@ SIZES = {
 }
 
 
-def build(size: Size, algorithm: str, device: str, seed: int = 0):
+@dataclass(frozen=True)
+class TheirConfiguration:
+    """How speculators runs: attention backend and loss implementation (it compiles only when CUDA is available)."""
+
+    attention: str
+    losses: str
+    why: str
+
+
+def their_configurations(device: str) -> list[TheirConfiguration]:
+    """Their configurations to try, best first; the first whose step runs is the one measured."""
+    if device.startswith("cuda"):
+        return [
+            TheirConfiguration("simple_flex_attention", "fused", "their default: flex attention, fused Triton losses, torch.compile"),
+            TheirConfiguration("sdpa", "fused", "fallback: sdpa, fused losses (their compiled default failed, see the error)"),
+        ]
+    return [TheirConfiguration("sdpa", "eager", "CPU: sdpa and eager losses, the only ones that run without CUDA; no torch.compile")]
+
+
+def precision_context(precision: str, device: str):
+    """bf16 autocast (fp32 master weights) or plain fp32, the same for both implementations."""
+    if precision == "bf16":
+        return torch.autocast("cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def build(size: Size, algorithm: str, device: str, seed: int = 0, theirs_config: TheirConfiguration | None = None):
     """Ours and theirs with identical weights, plus one packed row and its anchors."""
     torch.manual_seed(seed)
     target = TargetSpec(num_hidden_layers=size.target_layers, hidden_size=size.hidden, num_attention_heads=size.heads,
@@ -71,8 +99,8 @@ def build(size: Size, algorithm: str, device: str, seed: int = 0):
     embed = torch.randn(size.vocab, size.hidden) * 0.02
     head = torch.randn(size.vocab, size.hidden) * 0.02
     ours = build_draft(AlgorithmConfig.preset(algorithm, **knobs), target, embed, head).to(device)
-    attention = "simple_flex_attention" if device.startswith("cuda") else "sdpa"
-    theirs = speculators_draft(ours.cpu(), attention).to(device)
+    theirs_config = theirs_config or their_configurations(device)[0]
+    theirs = speculators_draft(ours.cpu(), theirs_config.attention).to(device)
     ours.to(device)
 
     generator = torch.Generator().manual_seed(seed)
@@ -91,20 +119,22 @@ def build(size: Size, algorithm: str, device: str, seed: int = 0):
     return ours, theirs, row, raw_last.to(device), anchors
 
 
-def steppers(ours, theirs, row, raw_last, anchors):
-    inputs, kwargs = speculators_inputs(row, raw_last), speculators_train_kwargs(ours)
+def steppers(ours, theirs, row, raw_last, anchors, precision: str = "fp32", theirs_losses: str = "eager"):
+    inputs, kwargs = speculators_inputs(row, raw_last), speculators_train_kwargs(ours, theirs_losses)
+    device = str(row.input_ids.device)
     ours_params = [p for p in ours.parameters() if p.requires_grad]
     theirs_params = [p for p in theirs.parameters() if p.requires_grad]
 
     def ours_step() -> float:
-        loss = ours.training_forward(row, anchors).loss
+        with precision_context(precision, device):
+            loss = ours.training_forward(row, anchors).loss
         ours.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(ours_params, 1.0)
         return float(loss.detach())
 
     def theirs_step() -> float:
-        with fixed_anchors(anchors):
+        with fixed_anchors(anchors), precision_context(precision, device):
             _, loss, _ = theirs(**inputs, **kwargs)
         theirs.zero_grad(set_to_none=True)
         loss.backward()
@@ -132,10 +162,11 @@ def current_rss_mib() -> float:
         return int(handle.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def memory_probe(size_name: str, algorithm: str, which: str, device: str, steps: int = 3) -> float:
+def memory_probe(size_name: str, algorithm: str, which: str, device: str, precision: str, config_index: int, steps: int = 3) -> float:
     """Peak memory growth (MiB) over a few steps of one implementation, the other one freed first."""
-    ours, theirs, row, raw_last, anchors = build(SIZES[size_name], algorithm, device)
-    ours_step, theirs_step = steppers(ours, theirs, row, raw_last, anchors)
+    config = their_configurations(device)[config_index]
+    ours, theirs, row, raw_last, anchors = build(SIZES[size_name], algorithm, device, theirs_config=config)
+    ours_step, theirs_step = steppers(ours, theirs, row, raw_last, anchors, precision, config.losses)
     if which == "ours":
         step = ours_step
         del theirs_step, theirs
@@ -166,19 +197,63 @@ def memory_probe(size_name: str, algorithm: str, which: str, device: str, steps:
     return peak[0] - base
 
 
-def probe_in_subprocess(size: str, algorithm: str, which: str, device: str) -> float:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.train_step", "--probe", which, "--sizes", size,
-                          "--algorithms", algorithm, "--device", device], capture_output=True, text=True, check=True)
+def probe_in_subprocess(size: str, algorithm: str, which: str, device: str, precision: str, config_index: int) -> float:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.train_step", "--probe", which, "--sizes", size, "--algorithms", algorithm,
+                          "--device", device, "--precisions", precision, "--theirs-config", str(config_index)],
+                         capture_output=True, text=True, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def measure(size_name: str, algorithm: str, device: str, steps: int, warmup: int) -> dict:
-    ours, theirs, row, raw_last, anchors = build(SIZES[size_name], algorithm, device)
-    ours_step, theirs_step = steppers(ours, theirs, row, raw_last, anchors)
-    ours_loss, theirs_loss = ours_step(), theirs_step()
+# Dense bf16 peak FLOP/s for MFU, by device name.
+BF16_PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12}
+
+
+def model_flops(ours, row: PackedRow, anchors) -> float:
+    """Model FLOPs of one training step, the same for both implementations.
+
+    6 x params x rows for every trainable matmul (fc over the T context rows, k/v over T + M, the rest
+    over the M block rows), the frozen head's forward and input gradient over M rows plus the verifier
+    head's forward over M rows, and attention over the allowed (query, key) pairs: 4 x heads x head_dim
+    per pair forward, x3 with backward.
+    """
+    config, target = ours.config, ours.config.target
+    length, queries = row.length, anchors.positions.shape[0] * config.block_size
+    flops = 0.0
+    for name, module in ours.named_modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.requires_grad:
+            rows = length if name == "fc" else length + queries if name.endswith(("k_proj", "v_proj")) else queries
+            flops += 6 * module.weight.numel() * rows
+    flops += 6 * target.vocab_size * target.hidden_size * queries
+    allowed = int(block_attention_mask(anchors, row.document_ids, config.block_size, config.causal_blocks, config.sliding_window).sum())
+    flops += config.num_layers * 12 * target.num_attention_heads * target.head_dim * allowed
+    return flops
+
+
+def bf16_peak(device: str) -> float | None:
+    if not device.startswith("cuda"):
+        return None
+    name = torch.cuda.get_device_name()
+    return next((peak for key, peak in BF16_PEAK_FLOPS.items() if key in name), None)
+
+
+def measure(size_name: str, algorithm: str, device: str, precision: str, steps: int, warmup: int) -> dict:
+    record = {"size": size_name, "algorithm": algorithm, "device": device, "precision": precision, "theirs_failures": []}
+    for config_index, config in enumerate(their_configurations(device)):
+        ours, theirs, row, raw_last, anchors = build(SIZES[size_name], algorithm, device, theirs_config=config)
+        ours_step, theirs_step = steppers(ours, theirs, row, raw_last, anchors, precision, config.losses)
+        try:
+            theirs_loss = theirs_step()
+            break
+        except Exception as error:  # noqa: BLE001 - their compiled default is known to crash; record why and fall back
+            record["theirs_failures"].append(f"{config.attention}/{config.losses}: {type(error).__name__}: {str(error)[:300]}")
+            del ours, theirs
+    else:
+        record["error"] = "no speculators configuration ran"
+        return record
+    record["theirs_configuration"] = f"{config.attention}, {config.losses} losses ({config.why})"
+    ours_loss = ours_step()
     relative = abs(ours_loss - theirs_loss) / abs(theirs_loss)
-    record = {"size": size_name, "algorithm": algorithm, "device": device, "ours_loss": ours_loss, "theirs_loss": theirs_loss,
-              "loss_relative_difference": relative}
+    record.update({"ours_loss": ours_loss, "theirs_loss": theirs_loss, "loss_relative_difference": relative})
     if relative > 1e-3:
         record["error"] = "losses disagree by more than 1e-3 relative: refusing to time"
         return record
@@ -189,16 +264,40 @@ def measure(size_name: str, algorithm: str, device: str, steps: int, warmup: int
         ours_times.append(timed(ours_step, device))
         theirs_times.append(timed(theirs_step, device))
     ratios = [a / b for a, b in zip(ours_times, theirs_times)]
+    flops, queries = model_flops(ours, row, anchors), anchors.positions.shape[0] * ours.config.block_size
     del ours, theirs
-    ours_mem = probe_in_subprocess(size_name, algorithm, "ours", device)
-    theirs_mem = probe_in_subprocess(size_name, algorithm, "theirs", device)
+    ours_mem = probe_in_subprocess(size_name, algorithm, "ours", device, precision, config_index)
+    theirs_mem = probe_in_subprocess(size_name, algorithm, "theirs", device, precision, config_index)
+    ours_median, theirs_median = statistics.median(ours_times), statistics.median(theirs_times)
+    peak = bf16_peak(device) if precision == "bf16" else None
     record.update({
-        "steps": steps, "ours_median_ms": 1000 * statistics.median(ours_times), "ours_min_ms": 1000 * min(ours_times),
-        "theirs_median_ms": 1000 * statistics.median(theirs_times), "theirs_min_ms": 1000 * min(theirs_times),
+        "steps": steps, "ours_median_ms": 1000 * ours_median, "ours_min_ms": 1000 * min(ours_times),
+        "theirs_median_ms": 1000 * theirs_median, "theirs_min_ms": 1000 * min(theirs_times),
         "time_ratio_median": statistics.median(ratios), "time_ratio_min": min(ratios),
         "ours_peak_mib": ours_mem, "theirs_peak_mib": theirs_mem, "memory_ratio": ours_mem / theirs_mem if theirs_mem else float("nan"),
+        "model_gflop_per_step": flops / 1e9,
+        "ours_query_tokens_per_s": queries / ours_median, "theirs_query_tokens_per_s": queries / theirs_median,
+        "ours_model_tflops": flops / ours_median / 1e12, "theirs_model_tflops": flops / theirs_median / 1e12,
+        "ours_mfu": flops / ours_median / peak if peak else None, "theirs_mfu": flops / theirs_median / peak if peak else None,
     })
     return record
+
+
+# Issue goals: (size, algorithm, device kind) -> (max time ratio, max memory ratio).
+GOALS = {("medium", "dflash2", "cpu"): (0.5, 0.6), ("qwen3-8b", "dflash2", "cuda"): (1 / 1.5, 0.6)}
+
+
+def goal_lines(records: list[dict]) -> list[str]:
+    lines = []
+    for (size, algorithm, kind), (max_time, max_memory) in GOALS.items():
+        rows = [r for r in records if (r["size"], r["algorithm"]) == (size, algorithm) and r["device"].startswith(kind) and "error" not in r]
+        if not rows:
+            lines.append(f"- {size} {algorithm} on {kind}: not measured in this run.")
+        for r in rows:
+            met = r["time_ratio_median"] <= max_time and r["memory_ratio"] <= max_memory
+            lines.append(f"- {size} {algorithm} on {kind}, {r['precision']}: time ratio {r['time_ratio_median']:.3f} (goal <= {max_time:.3g}), "
+                         f"memory ratio {r['memory_ratio']:.3f} (goal <= {max_memory}): {'met' if met else 'NOT met'}.")
+    return lines
 
 
 def write_results(records: list[dict], path: Path) -> None:
@@ -212,18 +311,28 @@ def write_results(records: list[dict], path: Path) -> None:
         f"- Machine: {platform.machine()}, {platform.processor() or platform.platform()}, {torch.get_num_threads()} threads"
         + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", CPU only"),
         f"- Versions: {', '.join(f'{k} {v}' for k, v in versions.items())}",
-        "- Step = forward + backward + grad clipping on the same flattened batch; interleaved A B; ratio = ours / theirs per pair.",
-        "- speculators on CPU: sdpa attention and its eager losses. Peak memory: RSS growth over the steps (CPU) or max_memory_allocated (CUDA), each in a fresh process.",
+        "- Step = forward + backward + grad clipping on the same flattened batch; interleaved A B; ratio = ours / theirs per pair, median.",
+        "- Precision: both sides run the same one: fp32, or bf16 autocast with fp32 master weights (spec §3.7).",
+        "- Peak memory: RSS growth over the steps (CPU) or max_memory_allocated (CUDA), each in a fresh process.",
+        "- Model TFLOP/s counts the same FLOPs for both (see `model_flops`); MFU is against the dense bf16 peak, CUDA only.",
         "",
-        "| size | algorithm | device | loss rel. diff | ours median ms | theirs median ms | time ratio (median) | ours peak MiB | theirs peak MiB | memory ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| size | algorithm | device | precision | speculators configuration | loss rel. diff | ours median ms | theirs median ms "
+        "| time ratio | ours peak MiB | theirs peak MiB | memory ratio | ours query tok/s | ours model TFLOP/s (MFU) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
+        head = f"| {r['size']} | {r['algorithm']} | {r['device']} | {r['precision']} | {r.get('theirs_configuration', '-')} "
         if "error" in r:
-            lines.append(f"| {r['size']} | {r['algorithm']} | {r['device']} | {r['loss_relative_difference']:.2e} | {r['error']} | | | | | |")
+            lines.append(head + f"| {r.get('loss_relative_difference', float('nan')):.2e} | {r['error']} | | | | | | | |")
             continue
-        lines.append(f"| {r['size']} | {r['algorithm']} | {r['device']} | {r['loss_relative_difference']:.2e} | {r['ours_median_ms']:.1f} | "
-                     f"{r['theirs_median_ms']:.1f} | {r['time_ratio_median']:.3f} | {r['ours_peak_mib']:.0f} | {r['theirs_peak_mib']:.0f} | {r['memory_ratio']:.3f} |")
+        mfu = f" ({100 * r['ours_mfu']:.1f}%)" if r["ours_mfu"] else ""
+        lines.append(head + f"| {r['loss_relative_difference']:.2e} | {r['ours_median_ms']:.1f} | {r['theirs_median_ms']:.1f} "
+                     f"| {r['time_ratio_median']:.3f} | {r['ours_peak_mib']:.0f} | {r['theirs_peak_mib']:.0f} | {r['memory_ratio']:.3f} "
+                     f"| {r['ours_query_tokens_per_s']:.0f} | {r['ours_model_tflops']:.3f}{mfu} |")
+    failures = [f"- {r['size']} {r['algorithm']} {r['precision']}: {failure}" for r in records for failure in r["theirs_failures"]]
+    lines += ["", "## Goals", "", *goal_lines(records)]
+    if failures:
+        lines += ["", "## speculators configurations that failed", "", *failures]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -231,17 +340,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["tiny", "medium", "smollm"], choices=list(SIZES))
     parser.add_argument("--algorithms", nargs="+", default=["dflash", "dflash2"], choices=["dflash", "dflash2"])
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
+                        help="both sides run under each: fp32, or bf16 autocast with fp32 master weights")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "RESULTS.md")
-    parser.add_argument("--smoke", action="store_true", help="tiny size, 2 steps, results not written: checks the benchmark runs and parity holds")
+    parser.add_argument("--smoke", action="store_true", help="tiny size, fp32, 2 steps, results not written: checks the benchmark runs and parity holds")
     parser.add_argument("--probe", choices=["ours", "theirs"], help=argparse.SUPPRESS)
+    parser.add_argument("--theirs-config", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
-        args.sizes, args.steps, args.warmup = ["tiny"], 2, 1
+        args.sizes, args.precisions, args.steps, args.warmup = ["tiny"], ["fp32"], 2, 1
     if args.probe:
-        print(memory_probe(args.sizes[0], args.algorithms[0], args.probe, args.device))
+        print(memory_probe(args.sizes[0], args.algorithms[0], args.probe, args.device, args.precisions[0], args.theirs_config))
         return 0
     records = []
     for size in args.sizes:
@@ -249,9 +361,10 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"size": size, "skipped": "CUDA only"}), flush=True)
             continue
         for algorithm in args.algorithms:
-            record = measure(size, algorithm, args.device, args.steps, args.warmup)
-            print(json.dumps(record), flush=True)
-            records.append(record)
+            for precision in args.precisions:
+                record = measure(size, algorithm, args.device, precision, args.steps, args.warmup)
+                print(json.dumps(record), flush=True)
+                records.append(record)
     if args.smoke:
         return 1 if any("error" in r for r in records) else 0
     write_results(records, args.out)

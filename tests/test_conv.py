@@ -65,3 +65,14 @@ def test_gradients_reach_both_conv_tensors_at_init():
     conv(conv(torch.randn(8, 8), delta, 0, 4), delta, 1, 4).pow(2).sum().backward()
     assert conv.base_kernel.grad.abs().sum() > 0
     assert conv.kernel_projection.weight.grad.abs().sum() > 0
+
+
+def test_conv_gradients_equal_autograd_of_the_formula():
+    """The hand-written backward against double-precision gradcheck of the same function."""
+    from algorithms.conv import _BlockConv
+
+    torch.manual_seed(0)
+    blocks = torch.randn(3, 4, 2, 3, dtype=torch.float64, requires_grad=True)  # N, L, G, g
+    base = torch.randn(3, 2, 3, dtype=torch.float64, requires_grad=True)  # K = 3 taps
+    taps = torch.randn(3, 4, 3, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_BlockConv.apply, (blocks, base, taps))
