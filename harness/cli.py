@@ -36,6 +36,7 @@ TRAIN_FLAGS: dict[str, tuple[str, Any]] = {
     "--seed": ("seed", int),
     "--eval-every": ("eval_every", int),
     "--schedule": ("schedule", str),
+    "--precision": ("precision", str),
 }
 DATA_FLAGS: dict[str, tuple[str, Any]] = {
     "--num-conversations": ("num_conversations", int),

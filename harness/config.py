@@ -16,6 +16,7 @@ from harness.data import DataConfig
 
 OPTIMIZERS = ("adamw",)
 SCHEDULES = ("linear", "cosine")
+PRECISIONS = ("auto", "fp32", "bf16")
 
 
 @dataclass
@@ -33,8 +34,11 @@ class TrainConfig:
     eval_every: int = 50
     log_every: int = 10
     checkpoint_every: int = 50
+    precision: str = "auto"  # bf16 autocast on CUDA, fp32 on CPU; "bf16" also autocasts on CPU
 
     def validate(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise knob_error("precision", self.precision, f"one of {list(PRECISIONS)}")
         if self.optimizer not in OPTIMIZERS:
             raise knob_error("optimizer", self.optimizer, f"one of {list(OPTIMIZERS)}")
         if self.schedule not in SCHEDULES:

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from algorithms import AlgorithmConfig, build_draft
 from algorithms.knobs import DFlash2Knobs, SharedKnobs
@@ -91,3 +92,15 @@ def test_target_layer_ids_outside_target_rejected():
 def test_unknown_loss_rejected():
     with pytest.raises(ValueError, match=r"loss='bogus'"):
         _build("dflash", loss="bogus", position_weighting="fixed-exp-decay")
+
+
+def test_precision_knob_is_validated_and_drives_autocast():
+    from harness.config import TrainConfig
+    from harness.train import autocast
+
+    with pytest.raises(ValueError, match="invalid knob precision='fp16'"):
+        TrainConfig(precision="fp16").validate()
+    with autocast("cpu", "bf16"):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with autocast("cpu", "auto"):
+        assert not torch.is_autocast_enabled("cpu")

@@ -87,3 +87,19 @@ def test_no_gradient_work_under_no_grad():
     with torch.no_grad():
         head = unary_head(hidden.requires_grad_(True), target_hidden, target_rows, mask, head_weight, _transform, objective)
     assert not head.loss.requires_grad and not head.stats.candidate_logits.requires_grad
+
+
+def test_bf16_autocast_head_gradient_within_two_percent_of_fp64():
+    """Spec §5.1: gradients with bf16 logits stay within 2% of an fp64 reference."""
+    hidden, target_hidden, target_rows, mask, head_weight = _case(seed=3)
+    objective = UnaryObjective({"kl_div": 1.0}, "fixed-exp-decay", 4.0, 0.5, False, BLOCK, TOP_K)
+    ours_hidden = hidden.clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        head = unary_head(ours_hidden, target_hidden, target_rows, mask, head_weight, _transform, objective)
+    head.loss.backward()
+    reference_hidden = hidden.double().requires_grad_(True)
+    loss, _, _ = _reference(reference_hidden, target_hidden.double(), target_rows, mask.double(), head_weight.double(), objective)
+    loss.backward()
+    relative = (ours_hidden.grad.double() - reference_hidden.grad).norm() / reference_hidden.grad.norm()
+    assert float(relative) < 0.02
+    assert float(head.loss.detach()) == pytest.approx(float(loss.detach()), rel=0.02)
