@@ -60,21 +60,29 @@ SIZES = {
 
 @dataclass(frozen=True)
 class TheirConfiguration:
-    """How speculators runs: attention backend and loss implementation (it compiles only when CUDA is available)."""
+    """How speculators runs: attention backend, loss implementation and whether its torch.compile is on.
+
+    speculators wraps its step in torch.compile only when CUDA is available; `compile=False` runs
+    those functions eagerly (torch.compiler stance force_eager).
+    """
 
     attention: str
     losses: str
+    compile: bool
     why: str
+
+    def context(self):
+        return contextlib.nullcontext() if self.compile else torch.compiler.set_stance("force_eager")
 
 
 def their_configurations(device: str) -> list[TheirConfiguration]:
     """Their configurations to try, best first; the first whose step runs is the one measured."""
     if device.startswith("cuda"):
         return [
-            TheirConfiguration("simple_flex_attention", "fused", "their default: flex attention, fused Triton losses, torch.compile"),
-            TheirConfiguration("sdpa", "fused", "fallback: sdpa, fused losses (their compiled default failed, see the error)"),
+            TheirConfiguration("simple_flex_attention", "fused", True, "their default: flex attention, fused Triton losses, torch.compile"),
+            TheirConfiguration("sdpa", "fused", False, "fallback: sdpa, fused losses, no compile (their compiled default failed, see below)"),
         ]
-    return [TheirConfiguration("sdpa", "eager", "CPU: sdpa and eager losses, the only ones that run without CUDA; no torch.compile")]
+    return [TheirConfiguration("sdpa", "eager", False, "CPU: sdpa and eager losses, the only ones that run without CUDA; no torch.compile")]
 
 
 def precision_context(precision: str, device: str):
@@ -119,9 +127,10 @@ def build(size: Size, algorithm: str, device: str, seed: int = 0, theirs_config:
     return ours, theirs, row, raw_last.to(device), anchors
 
 
-def steppers(ours, theirs, row, raw_last, anchors, precision: str = "fp32", theirs_losses: str = "eager"):
-    inputs, kwargs = speculators_inputs(row, raw_last), speculators_train_kwargs(ours, theirs_losses)
+def steppers(ours, theirs, row, raw_last, anchors, precision: str = "fp32", theirs_config: TheirConfiguration | None = None):
     device = str(row.input_ids.device)
+    theirs_config = theirs_config or their_configurations(device)[0]
+    inputs, kwargs = speculators_inputs(row, raw_last), speculators_train_kwargs(ours, theirs_config.losses)
     ours_params = [p for p in ours.parameters() if p.requires_grad]
     theirs_params = [p for p in theirs.parameters() if p.requires_grad]
 
@@ -134,7 +143,7 @@ def steppers(ours, theirs, row, raw_last, anchors, precision: str = "fp32", thei
         return float(loss.detach())
 
     def theirs_step() -> float:
-        with fixed_anchors(anchors), precision_context(precision, device):
+        with fixed_anchors(anchors), precision_context(precision, device), theirs_config.context():
             _, loss, _ = theirs(**inputs, **kwargs)
         theirs.zero_grad(set_to_none=True)
         loss.backward()
@@ -166,7 +175,7 @@ def memory_probe(size_name: str, algorithm: str, which: str, device: str, precis
     """Peak memory growth (MiB) over a few steps of one implementation, the other one freed first."""
     config = their_configurations(device)[config_index]
     ours, theirs, row, raw_last, anchors = build(SIZES[size_name], algorithm, device, theirs_config=config)
-    ours_step, theirs_step = steppers(ours, theirs, row, raw_last, anchors, precision, config.losses)
+    ours_step, theirs_step = steppers(ours, theirs, row, raw_last, anchors, precision, config)
     if which == "ours":
         step = ours_step
         del theirs_step, theirs
@@ -240,7 +249,7 @@ def measure(size_name: str, algorithm: str, device: str, precision: str, steps: 
     record = {"size": size_name, "algorithm": algorithm, "device": device, "precision": precision, "theirs_failures": []}
     for config_index, config in enumerate(their_configurations(device)):
         ours, theirs, row, raw_last, anchors = build(SIZES[size_name], algorithm, device, theirs_config=config)
-        ours_step, theirs_step = steppers(ours, theirs, row, raw_last, anchors, precision, config.losses)
+        ours_step, theirs_step = steppers(ours, theirs, row, raw_last, anchors, precision, config)
         try:
             theirs_loss = theirs_step()
             break
@@ -250,7 +259,7 @@ def measure(size_name: str, algorithm: str, device: str, precision: str, steps: 
     else:
         record["error"] = "no speculators configuration ran"
         return record
-    record["theirs_configuration"] = f"{config.attention}, {config.losses} losses ({config.why})"
+    record["theirs_configuration"] = f"{config.attention}, {config.losses} losses, {'compiled' if config.compile else 'eager'} ({config.why})"
     ours_loss = ours_step()
     relative = abs(ours_loss - theirs_loss) / abs(theirs_loss)
     record.update({"ours_loss": ours_loss, "theirs_loss": theirs_loss, "loss_relative_difference": relative})

@@ -20,3 +20,4 @@ def test_train_step_benchmark_smoke():
     for record in records:
         assert record["loss_relative_difference"] < 1e-3
         assert record["ours_median_ms"] > 0 and record["theirs_median_ms"] > 0 and record["ours_peak_mib"] > 0
+        assert record["theirs_configuration"].startswith("sdpa, eager losses, eager") and not record["theirs_failures"]
