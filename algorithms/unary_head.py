@@ -2,7 +2,8 @@
 
 It runs over chunks of whole blocks and never holds more than one chunk of [rows, vocab] logits per
 side. The unary loss is a sum of per-row terms, so the gradient w.r.t. the draft hidden states is
-computed chunk by chunk during the forward pass; backward only scales it, and nothing is recomputed.
+computed chunk by chunk during the forward pass (KL and CE in closed form, the other losses by
+autograd within the chunk); backward only scales it, and nothing is recomputed.
 Rows the aligned mask drops (slot 0, padding anchors, unsupervised tokens) never reach the head, and
 target rows shared by overlapping blocks are projected once per chunk.
 """
@@ -198,17 +199,18 @@ class _HeadGradient(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, loss_value, raw_gathered, loss_grad, gathered_ids, mask, head_weight, logit_transform):
-        ctx.save_for_backward(hidden, raw_gathered, loss_grad, gathered_ids, mask, head_weight)
-        ctx.logit_transform = logit_transform
+        ctx.save_for_backward(raw_gathered, loss_grad, gathered_ids, mask, head_weight)
+        ctx.logit_transform, ctx.hidden_dtype = logit_transform, hidden.dtype
         with torch.no_grad():
             gathered_logits = logit_transform(raw_gathered)
         return loss_value.clone(), gathered_logits
 
     @staticmethod
     def backward(ctx, grad_loss, grad_gathered):
-        hidden, raw_gathered, loss_grad, gathered_ids, mask, head_weight = ctx.saved_tensors
+        raw_gathered, loss_grad, gathered_ids, mask, head_weight = ctx.saved_tensors
         grad_hidden = loss_grad * grad_loss
         if grad_gathered is not None:
-            grad_raw = _through_transform(ctx.logit_transform, raw_gathered, grad_gathered) * (mask > 0)[:, None]  # rows outside the mask hold placeholder ids
+            # Rows outside the mask hold placeholder ids: they must not backpropagate.
+            grad_raw = _through_transform(ctx.logit_transform, raw_gathered, grad_gathered) * (mask > 0)[:, None]
             grad_hidden = grad_hidden + F.embedding_bag(gathered_ids, head_weight, per_sample_weights=grad_raw, mode="sum")
-        return grad_hidden.to(hidden.dtype), None, None, None, None, None, None, None
+        return grad_hidden.to(ctx.hidden_dtype), None, None, None, None, None, None, None
