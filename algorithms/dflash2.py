@@ -53,7 +53,7 @@ class DFlash2Draft(DFlashDraft):
         stats, selector = out.head.stats, self.candidate_selector
         first, size, top_k = self.shared.first_draft_slot, self.block_size, self.candidate_top_k
         predecessors = self.teacher_predecessors(out.block_tokens)
-        injected_ids, labels, present = inject_target(stats.candidate_ids, stats.target_ids)
+        _, labels, present = inject_target(stats.candidate_ids, stats.target_ids)
         # Score the K candidates and the target token in one pass: the training scores (target injected
         # where missing) and the teacher-forced scores (original candidates) share everything else.
         projected = selector.hidden_projection(out.hidden)

@@ -32,6 +32,7 @@ from algorithms import AlgorithmConfig, TargetSpec, build_draft
 from algorithms.blocks import PackedRow, block_attention_mask, sample_anchors
 from algorithms.modeling import RMSNorm
 from benchmarks.peers import fixed_anchors, speculators_draft, speculators_inputs, speculators_train_kwargs
+from harness.train import autocast  # the training loop's precision, applied to both sides
 
 
 @dataclass(frozen=True)
@@ -85,13 +86,6 @@ def their_configurations(device: str) -> list[TheirConfiguration]:
     return [TheirConfiguration("sdpa", "eager", False, "CPU: sdpa and eager losses, the only ones that run without CUDA; no torch.compile")]
 
 
-def precision_context(precision: str, device: str):
-    """bf16 autocast (fp32 master weights) or plain fp32, the same for both implementations."""
-    if precision == "bf16":
-        return torch.autocast("cuda" if device.startswith("cuda") else "cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def build(size: Size, algorithm: str, device: str, seed: int = 0, theirs_config: TheirConfiguration | None = None):
     """Ours and theirs with identical weights, plus one packed row and its anchors."""
     torch.manual_seed(seed)
@@ -135,7 +129,7 @@ def steppers(ours, theirs, row, raw_last, anchors, precision: str = "fp32", thei
     theirs_params = [p for p in theirs.parameters() if p.requires_grad]
 
     def ours_step() -> float:
-        with precision_context(precision, device):
+        with autocast(device, precision):
             loss = ours.training_forward(row, anchors).loss
         ours.zero_grad(set_to_none=True)
         loss.backward()
@@ -143,7 +137,7 @@ def steppers(ours, theirs, row, raw_last, anchors, precision: str = "fp32", thei
         return float(loss.detach())
 
     def theirs_step() -> float:
-        with fixed_anchors(anchors), precision_context(precision, device), theirs_config.context():
+        with fixed_anchors(anchors), autocast(device, precision), theirs_config.context():
             _, loss, _ = theirs(**inputs, **kwargs)
         theirs.zero_grad(set_to_none=True)
         loss.backward()

@@ -33,6 +33,7 @@ ATTR_FAIL_REASON = "fail_reason"
 ATTR_INFEASIBLE = "infeasible_reason"
 ATTR_PRUNED = "pruned_reason"
 ATTR_INTERRUPTED = "interrupted_trials"  # study attr: failed trials whose worker died (they use no budget)
+ATTR_EVALUATED = "evaluated_trials"  # study attr: trials whose draft was already evaluated by speculative decoding
 ATTR_WORKER = "worker"
 ATTR_ORIGIN = "origin_trial"  # the first trial number of a retried config: its run name, so the run resumes
 TAG_BASELINE = "dflash_lab.baseline"
@@ -257,7 +258,7 @@ class StudyRunner:
             return
         done = sorted(self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)), key=lambda t: -t.value)
         for trial in done[: self.definition.evaluate_best]:
-            if trial.number in self.study.user_attrs.get("evaluated_trials", []):
+            if trial.number in self.study.user_attrs.get(ATTR_EVALUATED, []):
                 continue
             run_dir = run_directory(self.workdir, f"{self.definition.name}-trial-{trial.user_attrs.get(ATTR_ORIGIN, trial.number)}")
             state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
@@ -267,7 +268,7 @@ class StudyRunner:
             print(f"[evaluate] trial {trial.number}: speculative decoding on MT-bench and held-out chat prompts", flush=True)
             metrics, records = evaluate(self.workspace.target, draft, self.workspace.data.validation, self.definition.evaluation)
             log_evaluation(self.workdir, state["run_id"], metrics, records, run_dir)
-            self.study.set_user_attr("evaluated_trials", [*self.study.user_attrs.get("evaluated_trials", []), trial.number])
+            self.study.set_user_attr(ATTR_EVALUATED, [*self.study.user_attrs.get(ATTR_EVALUATED, []), trial.number])
 
     def finalize(self) -> dict:
         """Best values and importances on the parent run; returns the summary printed to the user."""
