@@ -4,4 +4,12 @@ from algorithms.knobs import AlgorithmConfig, DFlash2Knobs, DFlashKnobs, SharedK
 from algorithms.modeling import TargetSpec
 from algorithms.registry import DRAFT_CLASSES, build_draft
 
-__all__ = ["AlgorithmConfig", "DFlash2Knobs", "DFlashKnobs", "SharedKnobs", "TargetSpec", "DRAFT_CLASSES", "build_draft"]
+__all__ = [
+    "AlgorithmConfig",
+    "DFlash2Knobs",
+    "DFlashKnobs",
+    "SharedKnobs",
+    "TargetSpec",
+    "DRAFT_CLASSES",
+    "build_draft",
+]

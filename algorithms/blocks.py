@@ -68,7 +68,9 @@ def block_indices(anchor_positions: torch.Tensor, block_size: int) -> torch.Tens
     return (anchor_positions[:, None] + offsets[None, :]).reshape(-1)
 
 
-def target_indices(anchor_positions: torch.Tensor, block_size: int, length: int, sample_from_anchor: bool) -> torch.Tensor:
+def target_indices(
+    anchor_positions: torch.Tensor, block_size: int, length: int, sample_from_anchor: bool
+) -> torch.Tensor:
     """Row whose target logits supervise each flat slot (§3.5); wraps only at masked slot 0."""
     idx = block_indices(anchor_positions, block_size)
     return idx if sample_from_anchor else (idx - 1) % length
@@ -134,7 +136,15 @@ def block_attention_mask(
     sliding_window: int | None,
 ) -> torch.Tensor:
     """Dense boolean mask [M, T+M]: context of the anchor's document strictly before it, plus its own block."""
-    return _tile_mask(anchors.positions, anchors.valid, document_ids, slice(0, document_ids.shape[0]), block_size, causal, sliding_window)
+    return _tile_mask(
+        anchors.positions,
+        anchors.valid,
+        document_ids,
+        slice(0, document_ids.shape[0]),
+        block_size,
+        causal,
+        sliding_window,
+    )
 
 
 def attention_tiles(
@@ -166,6 +176,14 @@ def attention_tiles(
         last = min(first + blocks_per_tile, anchors.positions.shape[0])
         start, stop = min(lowest[first:last]), max(highest[first:last])
         context = slice(start, stop) if start < stop else slice(0, 0)
-        mask = _tile_mask(anchors.positions[first:last], anchors.valid[first:last], document_ids, context, block_size, causal, sliding_window)
+        mask = _tile_mask(
+            anchors.positions[first:last],
+            anchors.valid[first:last],
+            document_ids,
+            context,
+            block_size,
+            causal,
+            sliding_window,
+        )
         tiles.append(AttentionTile(slice(first * block_size, last * block_size), context, mask))
     return tiles

@@ -8,7 +8,10 @@ from torch import nn
 
 
 class GroupedDynamicConv(nn.Module):
-    """Conv_side(e)[t, c] = sum_tau [slot(t) >= tau] (base[side, tau, c] + delta[t, side, tau, c // g]) e[t - tau, c]."""
+    """Conv_side(e)[t, c] = sum_tau [slot(t) >= tau] (base[side, tau, c] + delta[t, side, tau, c // g]) e[t - tau, c].
+
+    The taps never reach across a block boundary: slot 0 sees only itself.
+    """
 
     def __init__(self, hidden_size: int, kernel_size: int, group_size: int) -> None:
         super().__init__()

@@ -56,7 +56,9 @@ class Proposal:
 class DFlashDraft(DraftBackbone):
     """The DFlash draft: backbone + unary objective + unary proposals."""
 
-    def __init__(self, config: DraftConfig, algorithm: AlgorithmConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> None:
+    def __init__(
+        self, config: DraftConfig, algorithm: AlgorithmConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor
+    ) -> None:
         super().__init__(config, embed_weight, head_weight)
         self.algorithm = algorithm
         self.shared = algorithm.shared
@@ -73,9 +75,13 @@ class DFlashDraft(DraftBackbone):
     def objective(self) -> UnaryObjective:
         shared = self.shared
         return UnaryObjective(
-            loss_weights=shared.loss_weights, position_weighting=shared.position_weighting,
-            decay_gamma=shared.decay_gamma, dpace_alpha=shared.dpace_alpha,
-            sample_from_anchor=shared.sample_from_anchor, block_size=self.block_size, top_k=self.candidate_top_k,
+            loss_weights=shared.loss_weights,
+            position_weighting=shared.position_weighting,
+            decay_gamma=shared.decay_gamma,
+            dpace_alpha=shared.dpace_alpha,
+            sample_from_anchor=shared.sample_from_anchor,
+            block_size=self.block_size,
+            top_k=self.candidate_top_k,
         )
 
     def forward_blocks(self, row: PackedRow, anchors: Anchors) -> BlockForward:
@@ -87,14 +93,23 @@ class DFlashDraft(DraftBackbone):
         slots = torch.arange(flat.shape[0], device=flat.device) % size
         block_positions = row.position_ids[anchors.positions].repeat_interleave(size) + slots
         tiles = attention_tiles(
-            anchors, row.document_ids, size, self.config.causal_blocks, self.config.sliding_window,
+            anchors,
+            row.document_ids,
+            size,
+            self.config.causal_blocks,
+            self.config.sliding_window,
             blocks_per_tile=max(1, ATTENTION_TILE_QUERIES // size),
         )
         hidden = self(row.features, row.position_ids, block_ids, block_positions, tiles, size)
         loss_mask = aligned_loss_mask(row.loss_mask, anchors, size, self.shared.sample_from_anchor)
         head = unary_head(
-            hidden, row.target_hidden, target_indices(anchors.positions, size, row.length, self.shared.sample_from_anchor),
-            loss_mask, self.head_weight, self.logit_transform, self.objective,
+            hidden,
+            row.target_hidden,
+            target_indices(anchors.positions, size, row.length, self.shared.sample_from_anchor),
+            loss_mask,
+            self.head_weight,
+            self.logit_transform,
+            self.objective,
         )
         return BlockForward(hidden=hidden, head=head, mask=loss_mask, block_tokens=row.input_ids[flat].view(-1, size))
 
@@ -136,9 +151,13 @@ class DFlashDraft(DraftBackbone):
         size = min(self.block_size, slots + first)
         hidden = self.single_block_hidden(features, context_positions, anchor_id, anchor_position, size)
         # Logits for the whole block, then drop slot 0: a full block is also the fast GEMM shape on CPU (MKL).
-        return self.propose_from_hidden(hidden[first:], self.output_logits(hidden)[first:], anchor_id, temperature, generator)
+        return self.propose_from_hidden(
+            hidden[first:], self.output_logits(hidden)[first:], anchor_id, temperature, generator
+        )
 
-    def single_block_hidden(self, features, context_positions, anchor_id: int, anchor_position: int, size: int) -> torch.Tensor:
+    def single_block_hidden(
+        self, features, context_positions, anchor_id: int, anchor_position: int, size: int
+    ) -> torch.Tensor:
         device = features.device
         block_ids = torch.full((size,), self.config.mask_token_id, dtype=torch.long, device=device)
         block_ids[0] = anchor_id
@@ -152,7 +171,9 @@ class DFlashDraft(DraftBackbone):
         tile = AttentionTile(slice(0, size), slice(0, length), torch.cat([context_visible, block_visible], dim=1))
         return self(features, context_positions, block_ids, block_positions, [tile], size)
 
-    def propose_from_hidden(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int, temperature: float, generator) -> Proposal:
+    def propose_from_hidden(
+        self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int, temperature: float, generator
+    ) -> Proposal:
         """Proposals from the draft slots' hidden states and transformed unary logits."""
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)

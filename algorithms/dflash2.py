@@ -12,7 +12,9 @@ from algorithms.modeling import DraftConfig
 from algorithms.selector import CandidateSelector
 
 
-def inject_target(candidate_ids: torch.Tensor, target_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def inject_target(
+    candidate_ids: torch.Tensor, target_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Training candidates and labels: a missing target replaces the weakest candidate (label K-1).
 
     Also returns `present` [M]: whether the original top-K held the target.
@@ -33,11 +35,15 @@ def replace_weakest(values: torch.Tensor, replacement: torch.Tensor, present: to
 
 
 class DFlash2Draft(DFlashDraft):
-    def __init__(self, config: DraftConfig, algorithm: AlgorithmConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> None:
+    def __init__(
+        self, config: DraftConfig, algorithm: AlgorithmConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor
+    ) -> None:
         super().__init__(config, algorithm, embed_weight, head_weight)
         knobs: DFlash2Knobs = algorithm.knobs
         self.knobs = knobs
-        self.candidate_selector = CandidateSelector(config.target.vocab_size, config.hidden_size, knobs.selector_rank, knobs.selector_init)
+        self.candidate_selector = CandidateSelector(
+            config.target.vocab_size, config.hidden_size, knobs.selector_rank, knobs.selector_init
+        )
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
@@ -63,24 +69,39 @@ class DFlash2Draft(DFlashDraft):
         training_scores = replace_weakest(all_scores[:, :top_k], all_scores[:, top_k], present)
         selector_loss = self.weighted_loss(losses.selector_cross_entropy(training_scores, labels), out.mask)
         unary_loss = out.head.loss
-        loss = unary_loss + self.knobs.selector_loss_alpha * selector_loss if self.knobs.selector_loss_alpha > 0 else unary_loss
+        loss = (
+            unary_loss + self.knobs.selector_loss_alpha * selector_loss
+            if self.knobs.selector_loss_alpha > 0
+            else unary_loss
+        )
 
         with torch.no_grad():
             blocks = lambda x: x.detach().view(-1, size, *x.shape[1:])[:, first:]  # noqa: E731
             walk = selector.walk_projected(
-                blocks(stats.candidate_logits), blocks(stats.candidate_ids), blocks(projected),
-                blocks(successors[:, :top_k]), out.block_tokens[:, 0],
+                blocks(stats.candidate_logits),
+                blocks(stats.candidate_ids),
+                blocks(projected),
+                blocks(successors[:, :top_k]),
+                out.block_tokens[:, 0],
             )
             injected_logprobs = replace_weakest(stats.target_candidate_logprobs, stats.target_max_logprobs, present)
-            counts = selector_counts(all_scores[:, :top_k].detach(), stats, out.mask, walk.tokens, injected_logprobs, size, first)
+            counts = selector_counts(
+                all_scores[:, :top_k].detach(), stats, out.mask, walk.tokens, injected_logprobs, size, first
+            )
         pool(counts, scalar_counts({"selector_loss": selector_loss}))
         return loss, counts
 
-    def propose_from_hidden(self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int, temperature: float, generator) -> Proposal:
+    def propose_from_hidden(
+        self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int, temperature: float, generator
+    ) -> Proposal:
         """The selector walk over the unary top-K: greedy at T=0, sampled with realized rows at T>0."""
         candidate_unary, candidate_ids = logits.topk(self.candidate_top_k, dim=-1)
         walk = self.candidate_selector.walk(
-            candidate_unary[None], candidate_ids[None], hidden[None],
-            torch.tensor([anchor_id], device=hidden.device), temperature, generator,
+            candidate_unary[None],
+            candidate_ids[None],
+            hidden[None],
+            torch.tensor([anchor_id], device=hidden.device),
+            temperature,
+            generator,
         )
         return Proposal(walk.tokens[0], None if walk.probs is None else walk.probs[0], candidate_ids)

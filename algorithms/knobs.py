@@ -86,7 +86,9 @@ class SharedKnobs:
             raise knob_error("position_weighting", self.position_weighting, f"one of {list(POSITION_WEIGHTINGS)}")
         weights = self.loss_weights
         if self.position_weighting == "dpace" and list(weights) != ["ce"]:
-            raise knob_error("loss", self.loss, "exactly 'ce' when position_weighting='dpace' (D-PACE weights come from CE)")
+            raise knob_error(
+                "loss", self.loss, "exactly 'ce' when position_weighting='dpace' (D-PACE weights come from CE)"
+            )
         if self.decay_gamma <= 0:
             raise knob_error("decay_gamma", self.decay_gamma, "a number > 0")
         if not 0 < self.dpace_alpha <= 1:
@@ -106,7 +108,8 @@ class SharedKnobs:
         ids = list(self.target_layer_ids) if self.target_layer_ids is not None else [2, n // 2, n - 3]
         if not ids or ids != sorted(set(ids)) or ids[0] < 1 or ids[-1] > n - 1:
             raise knob_error(
-                "target_layer_ids", ids,
+                "target_layer_ids",
+                ids,
                 f"distinct ascending ids in [1, {n - 1}] for a target with {n} layers "
                 "(id 0 is the embedding, id n is ambiguous post/pre final norm)",
             )
@@ -143,7 +146,9 @@ class DFlash2Knobs:
         if shared.sample_from_anchor:
             raise knob_error("sample_from_anchor", True, "False for dflash2 (the served block starts at the anchor)")
         if not 1 <= self.conv_kernel_size <= shared.block_size:
-            raise knob_error("conv_kernel_size", self.conv_kernel_size, f"an integer in [1, block_size={shared.block_size}]")
+            raise knob_error(
+                "conv_kernel_size", self.conv_kernel_size, f"an integer in [1, block_size={shared.block_size}]"
+            )
         if self.conv_group_size < 1:
             raise knob_error("conv_group_size", self.conv_group_size, "an integer >= 1 that divides the hidden size")
         if self.selector_rank < 1:
@@ -193,7 +198,8 @@ class AlgorithmConfig:
         unknown = set(overrides) - shared_names - algo_names
         if unknown:
             raise knob_error(
-                "knob", sorted(unknown)[0],
+                "knob",
+                sorted(unknown)[0],
                 f"a knob of {self.algorithm}: {sorted(shared_names | algo_names)}",
             )
         shared = dataclasses.replace(self.shared, **{k: v for k, v in overrides.items() if k in shared_names})
@@ -220,7 +226,9 @@ class AlgorithmConfig:
         algorithm = data["algorithm"]
         if algorithm not in ALGORITHM_KNOBS:
             raise knob_error("algorithm", algorithm, f"one of {sorted(ALGORITHM_KNOBS)}")
-        return cls(algorithm, SharedKnobs(**data.get("shared", {})), ALGORITHM_KNOBS[algorithm](**data.get("knobs", {})))
+        return cls(
+            algorithm, SharedKnobs(**data.get("shared", {})), ALGORITHM_KNOBS[algorithm](**data.get("knobs", {}))
+        )
 
     def flat_params(self) -> dict[str, Any]:
         """Flattened `shared.*` / `algo.*` names, as logged to MLflow."""

@@ -99,7 +99,10 @@ def fixed_exp_decay_weights(slots: torch.Tensor, gamma: float, sample_from_ancho
 
 @torch.no_grad()
 def dpace_weights(per_position_ce: torch.Tensor, mask: torch.Tensor, block_size: int, alpha: float) -> torch.Tensor:
-    """D-PACE: omega_k = m_k * sum_{j>=k} m_j * prod_{i<=j} s_i, s_i = (1-alpha) exp(-ce_i) + alpha on masked-in slots."""
+    """D-PACE: omega_k = m_k * sum_{j>=k} m_j * prod_{i<=j} s_i.
+
+    s_i = (1-alpha) exp(-ce_i) + alpha on masked-in slots.
+    """
     confidence = torch.exp(-per_position_ce.float() * mask).view(-1, block_size)
     block_mask = mask.view(-1, block_size)
     smoothed = torch.where(block_mask > 0, (1 - alpha) * confidence + alpha, torch.ones_like(confidence))

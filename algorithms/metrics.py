@@ -33,7 +33,13 @@ MetricCounts = dict[str, torch.Tensor]  # name -> tensor([sum, total])
 
 
 def _pair(numerator: torch.Tensor, denominator: torch.Tensor | float) -> torch.Tensor:
-    return torch.stack([torch.as_tensor(numerator, dtype=torch.float64), torch.as_tensor(denominator, dtype=torch.float64)]).detach().cpu()
+    return (
+        torch.stack(
+            [torch.as_tensor(numerator, dtype=torch.float64), torch.as_tensor(denominator, dtype=torch.float64)]
+        )
+        .detach()
+        .cpu()
+    )
 
 
 def scalar_counts(values: dict[str, torch.Tensor]) -> MetricCounts:
@@ -100,7 +106,7 @@ def selector_counts(
     stats: RowStatistics,  # the unary head's per-row statistics
     mask: torch.Tensor,  # [M]
     realized_tokens: torch.Tensor,  # [N, B - first_slot] the greedy selector walk
-    injected_target_logprobs: torch.Tensor,  # [M, K] target log-probs of the training candidates (parity-named mass only)
+    injected_target_logprobs: torch.Tensor,  # [M, K] of the training candidates (parity mass only)
     block_size: int,
     first_slot: int,
 ) -> MetricCounts:

@@ -58,10 +58,13 @@ class DraftConfig:
 
     def validate(self) -> None:
         if not 0 <= self.mask_token_id < self.target.vocab_size:
-            raise knob_error("mask_token_id", self.mask_token_id, f"an existing token id in [0, {self.target.vocab_size})")
+            raise knob_error(
+                "mask_token_id", self.mask_token_id, f"an existing token id in [0, {self.target.vocab_size})"
+            )
         if self.conv_group_size is not None and self.hidden_size % self.conv_group_size:
             raise knob_error(
-                "conv_group_size", self.conv_group_size,
+                "conv_group_size",
+                self.conv_group_size,
                 f"a divisor of the hidden size {self.hidden_size}",
             )
 
@@ -79,7 +82,9 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Default (unscaled) RoPE tables for the given positions, [L, head_dim] each."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     freqs = positions.float()[:, None] * inv_freq[None, :]
@@ -127,9 +132,15 @@ class DraftAttention(nn.Module):
             own = slice(context_length + tile.queries.start, context_length + tile.queries.stop)
             tile_k = torch.cat([k[:, tile.context], k[:, own]], dim=1)
             tile_v = torch.cat([v[:, tile.context], v[:, own]], dim=1)
-            outputs.append(F.scaled_dot_product_attention(
-                q[None, :, tile.queries], tile_k[None], tile_v[None], attn_mask=tile.mask[None, None], enable_gqa=True,
-            )[0])
+            outputs.append(
+                F.scaled_dot_product_attention(
+                    q[None, :, tile.queries],
+                    tile_k[None],
+                    tile_v[None],
+                    attn_mask=tile.mask[None, None],
+                    enable_gqa=True,
+                )[0]
+            )
         out = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
         return self.o_proj(out.transpose(0, 1).reshape(queries, -1))
 
@@ -235,7 +246,7 @@ class DraftBackbone(nn.Module):
         context = self.hidden_norm(self.fc(features.to(dtype)))
         x = (self.embed_weight[block_input_ids] * t.input_embedding_scale).to(dtype)
         rotary_k = rotary_cos_sin(torch.cat([context_positions, block_positions]), t.head_dim, t.rope_theta, dtype)
-        rotary_q = (rotary_k[0][-block_positions.shape[0]:], rotary_k[1][-block_positions.shape[0]:])
+        rotary_q = (rotary_k[0][-block_positions.shape[0] :], rotary_k[1][-block_positions.shape[0] :])
         for layer in self.layers:
             x = layer(x, context, rotary_q, rotary_k, tiles, block_len)
         return self.norm(x)

@@ -23,13 +23,19 @@ def draft_config(config: AlgorithmConfig, target: TargetSpec) -> DraftConfig:
                 f"vocabulary (draft={shared.draft_vocab_size}, verifier={target.vocab_size}): serving selects "
                 "candidates before any draft->target id mapping."
             )
-        raise knob_error("draft_vocab_size", shared.draft_vocab_size, f"None or the verifier vocab {target.vocab_size} (pruned vocabularies are not supported)")
+        raise knob_error(
+            "draft_vocab_size",
+            shared.draft_vocab_size,
+            f"None or the verifier vocab {target.vocab_size} (pruned vocabularies are not supported)",
+        )
     top_k = config.knobs.candidate_top_k
     if top_k > target.vocab_size:
         name = "selector_top_k" if config.algorithm == "dflash2" else "metrics_top_k"
         raise knob_error(name, top_k, f"an integer in [1, vocab_size={target.vocab_size}]")
     if shared.mask_token_id is None:
-        raise knob_error("mask_token_id", None, f"an existing token id in [0, {target.vocab_size}) (no vocabulary resize)")
+        raise knob_error(
+            "mask_token_id", None, f"an existing token id in [0, {target.vocab_size}) (no vocabulary resize)"
+        )
     knobs = config.knobs
     is_dflash2 = isinstance(knobs, DFlash2Knobs)
     resolved = DraftConfig(
@@ -47,6 +53,8 @@ def draft_config(config: AlgorithmConfig, target: TargetSpec) -> DraftConfig:
     return resolved
 
 
-def build_draft(config: AlgorithmConfig, target: TargetSpec, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> DFlashDraft:
+def build_draft(
+    config: AlgorithmConfig, target: TargetSpec, embed_weight: torch.Tensor, head_weight: torch.Tensor
+) -> DFlashDraft:
     """A freshly initialised draft of `config.algorithm` for the given target and frozen tensors."""
     return DRAFT_CLASSES[config.algorithm](draft_config(config, target), config, embed_weight, head_weight)

@@ -34,14 +34,24 @@ class CandidateSelector(nn.Module):
         # F.embedding: its backward accumulates rows far faster than indexing's on CPU.
         return F.embedding(candidate_ids, self.successor_codebook).float()
 
-    def transition(self, projected_hidden: torch.Tensor, predecessor_ids: torch.Tensor, successors: torch.Tensor) -> torch.Tensor:
+    def transition(
+        self, projected_hidden: torch.Tensor, predecessor_ids: torch.Tensor, successors: torch.Tensor
+    ) -> torch.Tensor:
         """[..., K] transition scores after predecessors [...], from W_h h [..., R] and S[c] [..., K, R]; fp32."""
         context = F.embedding(predecessor_ids, self.predecessor_codebook).float() * projected_hidden.float()
         return torch.einsum("...r,...kr->...k", context, successors)
 
-    def scores(self, candidate_unary: torch.Tensor, hidden: torch.Tensor, predecessor_ids: torch.Tensor, candidate_ids: torch.Tensor) -> torch.Tensor:
+    def scores(
+        self,
+        candidate_unary: torch.Tensor,
+        hidden: torch.Tensor,
+        predecessor_ids: torch.Tensor,
+        candidate_ids: torch.Tensor,
+    ) -> torch.Tensor:
         """Teacher-forced scores of candidates [M, K] from their transformed unary logits [M, K]."""
-        return candidate_unary.float() + self.transition(self.hidden_projection(hidden), predecessor_ids, self.successors(candidate_ids))
+        return candidate_unary.float() + self.transition(
+            self.hidden_projection(hidden), predecessor_ids, self.successors(candidate_ids)
+        )
 
     def walk(
         self,
@@ -54,7 +64,13 @@ class CandidateSelector(nn.Module):
     ) -> SelectorPath:
         """Walk slot by slot from the anchor, feeding each selected token forward (see `walk_projected`)."""
         return self.walk_projected(
-            candidate_unary, candidate_ids, self.hidden_projection(hidden), self.successors(candidate_ids), anchor_ids, temperature, generator
+            candidate_unary,
+            candidate_ids,
+            self.hidden_projection(hidden),
+            self.successors(candidate_ids),
+            anchor_ids,
+            temperature,
+            generator,
         )
 
     def walk_projected(
@@ -75,7 +91,9 @@ class CandidateSelector(nn.Module):
         previous = anchor_ids
         tokens, rows = [], []
         for slot in range(candidate_ids.shape[1]):
-            score = candidate_unary[:, slot].float() + self.transition(projected_hidden[:, slot], previous, successors[:, slot])
+            score = candidate_unary[:, slot].float() + self.transition(
+                projected_hidden[:, slot], previous, successors[:, slot]
+            )
             if temperature > 0:
                 probs = torch.softmax(score / temperature, dim=-1)
                 choice = torch.multinomial(probs, 1, generator=generator).squeeze(-1)

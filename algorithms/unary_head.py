@@ -39,8 +39,14 @@ class UnaryObjective:
         """Weights over whole blocks; D-PACE reads them from the term's own per-position loss."""
         slots = torch.arange(mask.shape[0], device=mask.device) % self.block_size
         return losses.position_weights(
-            per_position, mask, slots, self.block_size, self.position_weighting,
-            self.decay_gamma, self.dpace_alpha, self.sample_from_anchor,
+            per_position,
+            mask,
+            slots,
+            self.block_size,
+            self.position_weighting,
+            self.decay_gamma,
+            self.dpace_alpha,
+            self.sample_from_anchor,
         )
 
 
@@ -59,7 +65,11 @@ class RowStatistics:
 
 
 def row_statistics(
-    draft_logits: torch.Tensor, draft_probs: torch.Tensor, target_logprobs: torch.Tensor, target_probs: torch.Tensor, top_k: int
+    draft_logits: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_logprobs: torch.Tensor,
+    target_probs: torch.Tensor,
+    top_k: int,
 ) -> RowStatistics:
     """Per-row statistics of transformed draft logits and fp32 distributions over the full vocabulary."""
     candidate_logits, candidate_ids = draft_logits.topk(top_k, dim=-1)
@@ -112,14 +122,16 @@ def unary_head(
     use_autograd = needs_grad and not closed_form
     grad_mode = lambda: torch.enable_grad() if use_autograd else torch.no_grad()  # noqa: E731
     for start in range(0, rows, chunk_rows):
-        chunk_mask = mask[start:start + chunk_rows]
+        chunk_mask = mask[start : start + chunk_rows]
         supervised = chunk_mask.nonzero().squeeze(-1)
         if supervised.numel() == 0:
             continue
         rows_out = start + supervised
         with grad_mode():
             draft_hidden = hidden[rows_out].detach().requires_grad_(use_autograd)
-            raw_logits = F.linear(draft_hidden.to(compute_dtype), compute_head).float()  # fp32 before any softmax, even under autocast
+            raw_logits = F.linear(
+                draft_hidden.to(compute_dtype), compute_head
+            ).float()  # fp32 before any softmax, even under autocast
             draft_logits = logit_transform(raw_logits)
             draft_logprobs = torch.log_softmax(draft_logits, dim=-1)
         with torch.no_grad():
@@ -128,7 +140,9 @@ def unary_head(
             chunk = row_statistics(draft_logits.detach(), draft_probs, target_logprobs, target_probs, top_k)
             for field in RowStatistics.__dataclass_fields__:
                 getattr(stats, field)[rows_out] = getattr(chunk, field)
-            raw_gathered[rows_out] = raw_logits.detach().gather(-1, torch.cat([chunk.candidate_ids, chunk.target_ids[:, None]], 1))
+            raw_gathered[rows_out] = raw_logits.detach().gather(
+                -1, torch.cat([chunk.candidate_ids, chunk.target_ids[:, None]], 1)
+            )
         if not use_autograd:
             del draft_logits  # the chunk holds as few [rows, vocab] tensors as it can
 
@@ -139,11 +153,17 @@ def unary_head(
                     # The closed forms overwrite draft_probs; only the last term may have it.
                     last = term == len(objective.loss_weights) - 1
                     supervised_loss, term_grad = losses.CLOSED_FORM_LOSSES[name](
-                        draft_logprobs, target_logprobs, draft_probs if last else draft_probs.clone(), target_probs, chunk.target_ids
+                        draft_logprobs,
+                        target_logprobs,
+                        draft_probs if last else draft_probs.clone(),
+                        target_probs,
+                        chunk.target_ids,
                     )
                 else:
                     supervised_loss, term_grad = losses.PER_POSITION_LOSSES[name](draft_logprobs, target_logprobs), None
-                per_position = torch.zeros(chunk_mask.shape, device=hidden.device).index_put((supervised,), supervised_loss)
+                per_position = torch.zeros(chunk_mask.shape, device=hidden.device).index_put(
+                    (supervised,), supervised_loss
+                )
                 scale = objective.weights(per_position.detach(), chunk_mask) * chunk_mask
                 term_sum = (scale * per_position).sum()
             term_sums[name] += term_sum.detach()
@@ -163,7 +183,9 @@ def unary_head(
     terms = {name: value / denominator for name, value in term_sums.items()}
     loss_value = sum(weight * terms[name] for name, weight in objective.loss_weights.items())
     gathered_ids = torch.cat([stats.candidate_ids, stats.target_ids[:, None]], dim=1)
-    loss, gathered_logits = _HeadGradient.apply(hidden, loss_value, raw_gathered, loss_grad, gathered_ids, mask, head_weight, logit_transform)
+    loss, gathered_logits = _HeadGradient.apply(
+        hidden, loss_value, raw_gathered, loss_grad, gathered_ids, mask, head_weight, logit_transform
+    )
     stats.candidate_logits, stats.target_token_logits = gathered_logits[:, :top_k], gathered_logits[:, top_k]
     return UnaryHead(loss=loss, terms=terms, stats=stats)
 
@@ -178,8 +200,16 @@ def _target_logprobs(target_hidden, rows: torch.Tensor, compute_head: torch.Tens
 def _empty_statistics(rows: int, top_k: int, device: torch.device) -> RowStatistics:
     ids = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
     values = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=device)  # noqa: E731
-    return RowStatistics(ids(rows), ids(rows), ids(rows, top_k), values(rows, top_k), values(rows),
-                         values(rows, top_k), values(rows), values(rows))
+    return RowStatistics(
+        ids(rows),
+        ids(rows),
+        ids(rows, top_k),
+        values(rows, top_k),
+        values(rows),
+        values(rows, top_k),
+        values(rows),
+        values(rows),
+    )
 
 
 def _through_transform(logit_transform, raw_logits: torch.Tensor, grad_logits: torch.Tensor) -> torch.Tensor:
@@ -212,5 +242,7 @@ class _HeadGradient(torch.autograd.Function):
         if grad_gathered is not None:
             # Rows outside the mask hold placeholder ids: they must not backpropagate.
             grad_raw = _through_transform(ctx.logit_transform, raw_gathered, grad_gathered) * (mask > 0)[:, None]
-            grad_hidden = grad_hidden + F.embedding_bag(gathered_ids, head_weight, per_sample_weights=grad_raw, mode="sum")
+            grad_hidden = grad_hidden + F.embedding_bag(
+                gathered_ids, head_weight, per_sample_weights=grad_raw, mode="sum"
+            )
         return grad_hidden.to(ctx.hidden_dtype), None, None, None, None, None, None, None

@@ -10,12 +10,12 @@ Prints one JSON line per measurement and writes benchmarks/OVERHEAD.md.
 from __future__ import annotations
 
 import argparse
-import platform
 import json
+import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -25,7 +25,9 @@ from benchmarks.train_step import SIZES, build, steppers, timed
 
 def training_overhead(size: str, steps: int, precision: str) -> dict:
     """DFlash2 / DFlash step time, for ours and for speculators, interleaved on the same batch shapes."""
-    pairs = {algorithm: steppers(*build(SIZES[size], algorithm, "cpu"), precision) for algorithm in ("dflash", "dflash2")}
+    pairs = {
+        algorithm: steppers(*build(SIZES[size], algorithm, "cpu"), precision) for algorithm in ("dflash", "dflash2")
+    }
     for algorithm in pairs:
         for step in pairs[algorithm]:
             step()
@@ -57,7 +59,9 @@ def inference_shares(workdir: Path, cycles: int) -> dict:
         for name, param in draft.named_parameters():  # trained-like, non-identity convs and selector
             if "conv" in name or "candidate_selector" in name:
                 param.normal_(std=0.02)
-    prompt = target.tokenizer("Tell me about the history of the bicycle in a few sentences.", return_tensors="pt")["input_ids"]
+    prompt = target.tokenizer("Tell me about the history of the bicycle in a few sentences.", return_tensors="pt")[
+        "input_ids"
+    ]
     with torch.no_grad():
         out = target.model(input_ids=prompt, output_hidden_states=True)
     features = torch.cat([out.hidden_states[i][0] for i in draft.config.target_layer_ids], -1)
@@ -114,18 +118,23 @@ def write_results(training: list[dict], inference: dict, path: Path) -> None:
     lines = [
         "# DFlash2 overhead over DFlash",
         "",
-        f"- Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, "
+        f"- Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, "
         f"{torch.get_num_threads()} threads, CPU only; torch {torch.__version__}.",
         "- Training: median step time (forward + backward + clipping), identical shared knobs, interleaved, "
         "same precision for both implementations.",
         "",
-        "| size | precision | ours DFlash ms | ours DFlash2 ms | ours DFlash2/DFlash | speculators DFlash2/DFlash | goal (ours) |",
+        "| size | precision | ours DFlash ms | ours DFlash2 ms | ours "
+        "DFlash2/DFlash | speculators DFlash2/DFlash | goal (ours) |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in training:
         ratio = r["ours_dflash2_over_dflash"]
-        lines.append(f"| {r['size']} | {r['precision']} | {r['ours_dflash_median_ms']:.0f} | {r['ours_dflash2_median_ms']:.0f} | {ratio:.3f} "
-                     f"| {r['theirs_dflash2_over_dflash']:.3f} | <= {TRAINING_GOAL}: {'met' if ratio <= TRAINING_GOAL else 'NOT met'} |")
+        lines.append(
+            f"| {r['size']} | {r['precision']} | {r['ours_dflash_median_ms']:.0f} "
+            f"| {r['ours_dflash2_median_ms']:.0f} | {ratio:.3f} "
+            f"| {r['theirs_dflash2_over_dflash']:.3f} | <= {TRAINING_GOAL}: "
+            f"{'met' if ratio <= TRAINING_GOAL else 'NOT met'} |"
+        )
     share = inference["conv_share_of_cycle"] + inference["selector_walk_share_of_cycle"]
     lines += [
         "",
@@ -133,8 +142,10 @@ def write_results(training: list[dict], inference: dict, path: Path) -> None:
         "",
         f"- cycle {inference['cycle_ms']:.1f} ms (draft {inference['draft_ms']:.1f} ms + target verification)",
         f"- convolutions {inference['conv_ms']:.2f} ms ({100 * inference['conv_share_of_cycle']:.2f}% of the cycle)",
-        f"- selector walk {inference['selector_walk_ms']:.2f} ms ({100 * inference['selector_walk_share_of_cycle']:.2f}% of the cycle)",
-        f"- together {100 * share:.2f}% (goal <= {100 * INFERENCE_GOAL:.0f}%): {'met' if share <= INFERENCE_GOAL else 'NOT met'}",
+        f"- selector walk {inference['selector_walk_ms']:.2f} ms "
+        f"({100 * inference['selector_walk_share_of_cycle']:.2f}% of the cycle)",
+        f"- together {100 * share:.2f}% (goal <= {100 * INFERENCE_GOAL:.0f}%): "
+        f"{'met' if share <= INFERENCE_GOAL else 'NOT met'}",
     ]
     path.write_text("\n".join(lines) + "\n")
 
@@ -145,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--cycles", type=int, default=20)
-    parser.add_argument("--workdir", type=Path, default=Path("work"), help="holds (or receives) the converted embedded target")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("work"), help="holds (or receives) the converted embedded target"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "OVERHEAD.md")
     args = parser.parse_args(argv)
     training = []

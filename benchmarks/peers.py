@@ -21,37 +21,59 @@ def speculators_draft(ours: DFlashDraft, attention: str = "sdpa"):
 
     cfg, target = ours.config, ours.config.target
     layer_config = Qwen3Config(
-        hidden_size=target.hidden_size, intermediate_size=target.intermediate_size, num_hidden_layers=cfg.num_layers,
-        num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
-        head_dim=target.head_dim, vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps,
-        rope_theta=target.rope_theta, max_position_embeddings=target.max_position_embeddings,
-        layer_types=["sliding_attention"] * cfg.num_layers, sliding_window=cfg.sliding_window,
-        use_sliding_window=True, max_window_layers=cfg.num_layers,
+        hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads,
+        head_dim=target.head_dim,
+        vocab_size=target.vocab_size,
+        rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta,
+        max_position_embeddings=target.max_position_embeddings,
+        layer_types=["sliding_attention"] * cfg.num_layers,
+        sliding_window=cfg.sliding_window,
+        use_sliding_window=True,
+        max_window_layers=cfg.num_layers,
     )
     layer_config._attn_implementation = attention
     common = dict(
-        transformer_layer_config=layer_config, draft_vocab_size=target.vocab_size, block_size=cfg.block_size,
-        aux_hidden_state_layer_ids=cfg.target_layer_ids, mask_token_id=cfg.mask_token_id,
-        sliding_window_non_causal=not cfg.causal_blocks, sample_from_anchor=ours.shared.sample_from_anchor,
+        transformer_layer_config=layer_config,
+        draft_vocab_size=target.vocab_size,
+        block_size=cfg.block_size,
+        aux_hidden_state_layer_ids=cfg.target_layer_ids,
+        mask_token_id=cfg.mask_token_id,
+        sliding_window_non_causal=not cfg.causal_blocks,
+        sample_from_anchor=ours.shared.sample_from_anchor,
         speculators_config=SpeculatorsConfig(
-            algorithm=ours.algorithm.algorithm, default_proposal_method="greedy",
+            algorithm=ours.algorithm.algorithm,
+            default_proposal_method="greedy",
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=cfg.block_size - 1)],
             verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]),
         ),
     )
     if ours.algorithm.algorithm == "dflash2":
         knobs = ours.algorithm.knobs
-        theirs = DFlash2DraftModel(DFlash2SpeculatorConfig(
-            **common, conv_kernel_size=knobs.conv_kernel_size, conv_group_size=knobs.conv_group_size,
-            selector_rank=knobs.selector_rank, selector_top_k=knobs.selector_top_k,
-        ))
+        theirs = DFlash2DraftModel(
+            DFlash2SpeculatorConfig(
+                **common,
+                conv_kernel_size=knobs.conv_kernel_size,
+                conv_group_size=knobs.conv_group_size,
+                selector_rank=knobs.selector_rank,
+                selector_top_k=knobs.selector_top_k,
+            )
+        )
     else:
         theirs = DFlashDraftModel(DFlashSpeculatorConfig(**common))
     state = dict(ours.state_dict())
-    state.update({
-        "embed_tokens.weight": ours.embed_weight, "lm_head.weight": ours.head_weight,
-        "verifier_lm_head.weight": ours.head_weight, "verifier_norm.weight": torch.ones(target.hidden_size),
-    })
+    state.update(
+        {
+            "embed_tokens.weight": ours.embed_weight,
+            "lm_head.weight": ours.head_weight,
+            "verifier_lm_head.weight": ours.head_weight,
+            "verifier_norm.weight": torch.ones(target.hidden_size),
+        }
+    )
     missing, unexpected = theirs.load_state_dict(state, strict=False)
     assert not unexpected and set(missing) <= {"t2d", "d2t"}, (missing, unexpected)
     return theirs
@@ -66,8 +88,11 @@ def fixed_anchors(anchors: Anchors):
 
 def speculators_inputs(row: PackedRow, pre_norm_last_hidden: torch.Tensor) -> dict:
     return dict(
-        hidden_states=row.features[None], input_ids=row.input_ids[None], loss_mask=row.loss_mask[None],
-        verifier_last_hidden_states=pre_norm_last_hidden[None], document_ids=row.document_ids[None],
+        hidden_states=row.features[None],
+        input_ids=row.input_ids[None],
+        loss_mask=row.loss_mask[None],
+        verifier_last_hidden_states=pre_norm_last_hidden[None],
+        document_ids=row.document_ids[None],
         position_ids=row.position_ids[None],
     )
 
@@ -81,9 +106,14 @@ def speculators_train_kwargs(ours: DFlashDraft, losses: str = "eager") -> dict:
     shared = ours.shared
     loss = shared.loss if isinstance(shared.loss, str) else json.dumps(shared.loss)
     kwargs = dict(
-        loss_config=resolve_loss_config(loss, losses), gamma=shared.decay_gamma, max_anchors=shared.max_anchors,
-        per_position_loss_weight=shared.position_weighting, dpace_alpha=shared.dpace_alpha,
+        loss_config=resolve_loss_config(loss, losses),
+        gamma=shared.decay_gamma,
+        max_anchors=shared.max_anchors,
+        per_position_loss_weight=shared.position_weighting,
+        dpace_alpha=shared.dpace_alpha,
     )
     if ours.algorithm.algorithm == "dflash2":
-        kwargs.update(tv_loss_fn=resolve_loss_config("tv", losses)["tv"][0], selector_loss_alpha=ours.knobs.selector_loss_alpha)
+        kwargs.update(
+            tv_loss_fn=resolve_loss_config("tv", losses)["tv"][0], selector_loss_alpha=ours.knobs.selector_loss_alpha
+        )
     return kwargs

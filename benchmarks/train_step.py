@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -80,20 +80,49 @@ def their_configurations(device: str) -> list[TheirConfiguration]:
     """Their configurations to try, best first; the first whose step runs is the one measured."""
     if device.startswith("cuda"):
         return [
-            TheirConfiguration("simple_flex_attention", "fused", True, "their default: flex attention, fused Triton losses, torch.compile"),
-            TheirConfiguration("sdpa", "fused", False, "fallback: sdpa, fused losses, no compile (their compiled default failed, see below)"),
+            TheirConfiguration(
+                "simple_flex_attention",
+                "fused",
+                True,
+                "their default: flex attention, fused Triton losses, torch.compile",
+            ),
+            TheirConfiguration(
+                "sdpa",
+                "fused",
+                False,
+                "fallback: sdpa, fused losses, no compile (their compiled default failed, see below)",
+            ),
         ]
-    return [TheirConfiguration("sdpa", "eager", False, "CPU: sdpa and eager losses, the only ones that run without CUDA; no torch.compile")]
+    return [
+        TheirConfiguration(
+            "sdpa", "eager", False, "CPU: sdpa and eager losses, the only ones that run without CUDA; no torch.compile"
+        )
+    ]
 
 
 def build(size: Size, algorithm: str, device: str, seed: int = 0, theirs_config: TheirConfiguration | None = None):
     """Ours and theirs with identical weights, plus one packed row and its anchors."""
     torch.manual_seed(seed)
-    target = TargetSpec(num_hidden_layers=size.target_layers, hidden_size=size.hidden, num_attention_heads=size.heads,
-                        num_key_value_heads=size.kv_heads, head_dim=size.head_dim, intermediate_size=size.intermediate,
-                        vocab_size=size.vocab, rms_norm_eps=1e-6, rope_theta=1e6)
-    knobs = dict(block_size=size.block, num_draft_layers=size.draft_layers, max_anchors=size.anchors, mask_token_id=5,
-                 loss="kl_div", position_weighting="fixed-exp-decay", block_attention="bidirectional")
+    target = TargetSpec(
+        num_hidden_layers=size.target_layers,
+        hidden_size=size.hidden,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        head_dim=size.head_dim,
+        intermediate_size=size.intermediate,
+        vocab_size=size.vocab,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+    )
+    knobs = dict(
+        block_size=size.block,
+        num_draft_layers=size.draft_layers,
+        max_anchors=size.anchors,
+        mask_token_id=5,
+        loss="kl_div",
+        position_weighting="fixed-exp-decay",
+        block_attention="bidirectional",
+    )
     if algorithm == "dflash2":
         knobs.update(selector_init="normal")
     else:
@@ -114,14 +143,22 @@ def build(size: Size, algorithm: str, device: str, seed: int = 0, theirs_config:
     raw_last = torch.randn(length, size.hidden, generator=generator)
     norm = RMSNorm(size.hidden, 1e-6)
     with torch.no_grad():
-        row = PackedRow(torch.randint(0, size.vocab, (length,), generator=generator), loss_mask, document_ids, position_ids,
-                        torch.randn(length, len(ours.config.target_layer_ids) * size.hidden, generator=generator), norm(raw_last))
+        row = PackedRow(
+            torch.randint(0, size.vocab, (length,), generator=generator),
+            loss_mask,
+            document_ids,
+            position_ids,
+            torch.randn(length, len(ours.config.target_layer_ids) * size.hidden, generator=generator),
+            norm(raw_last),
+        )
     anchors = sample_anchors(row.loss_mask, row.document_ids, size.block, size.anchors, generator)
     row, anchors = row.to(device), type(anchors)(anchors.positions.to(device), anchors.valid.to(device))
     return ours, theirs, row, raw_last.to(device), anchors
 
 
-def steppers(ours, theirs, row, raw_last, anchors, precision: str = "fp32", theirs_config: TheirConfiguration | None = None):
+def steppers(
+    ours, theirs, row, raw_last, anchors, precision: str = "fp32", theirs_config: TheirConfiguration | None = None
+):
     device = str(row.input_ids.device)
     theirs_config = theirs_config or their_configurations(device)[0]
     inputs, kwargs = speculators_inputs(row, raw_last), speculators_train_kwargs(ours, theirs_config.losses)
@@ -165,7 +202,9 @@ def current_rss_mib() -> float:
         return int(handle.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def memory_probe(size_name: str, algorithm: str, which: str, device: str, precision: str, config_index: int, steps: int = 3) -> float:
+def memory_probe(
+    size_name: str, algorithm: str, which: str, device: str, precision: str, config_index: int, steps: int = 3
+) -> float:
     """Peak memory growth (MiB) over a few steps of one implementation, the other one freed first."""
     config = their_configurations(device)[config_index]
     ours, theirs, row, raw_last, anchors = build(SIZES[size_name], algorithm, device, theirs_config=config)
@@ -201,9 +240,28 @@ def memory_probe(size_name: str, algorithm: str, which: str, device: str, precis
 
 
 def probe_in_subprocess(size: str, algorithm: str, which: str, device: str, precision: str, config_index: int) -> float:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.train_step", "--probe", which, "--sizes", size, "--algorithms", algorithm,
-                          "--device", device, "--precisions", precision, "--theirs-config", str(config_index)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.train_step",
+            "--probe",
+            which,
+            "--sizes",
+            size,
+            "--algorithms",
+            algorithm,
+            "--device",
+            device,
+            "--precisions",
+            precision,
+            "--theirs-config",
+            str(config_index),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
@@ -227,7 +285,11 @@ def model_flops(ours, row: PackedRow, anchors) -> float:
             rows = length if name == "fc" else length + queries if name.endswith(("k_proj", "v_proj")) else queries
             flops += 6 * module.weight.numel() * rows
     flops += 6 * target.vocab_size * target.hidden_size * queries
-    allowed = int(block_attention_mask(anchors, row.document_ids, config.block_size, config.causal_blocks, config.sliding_window).sum())
+    allowed = int(
+        block_attention_mask(
+            anchors, row.document_ids, config.block_size, config.causal_blocks, config.sliding_window
+        ).sum()
+    )
     flops += config.num_layers * 12 * target.num_attention_heads * target.head_dim * allowed
     return flops
 
@@ -240,20 +302,30 @@ def bf16_peak(device: str) -> float | None:
 
 
 def measure(size_name: str, algorithm: str, device: str, precision: str, steps: int, warmup: int) -> dict:
-    record = {"size": size_name, "algorithm": algorithm, "device": device, "precision": precision, "theirs_failures": []}
-    for config_index, config in enumerate(their_configurations(device)):
+    record = {
+        "size": size_name,
+        "algorithm": algorithm,
+        "device": device,
+        "precision": precision,
+        "theirs_failures": [],
+    }
+    for config_index, config in enumerate(their_configurations(device)):  # noqa: B007 - the index that ran is used below
         ours, theirs, row, raw_last, anchors = build(SIZES[size_name], algorithm, device, theirs_config=config)
         ours_step, theirs_step = steppers(ours, theirs, row, raw_last, anchors, precision, config)
         try:
             theirs_loss = theirs_step()
             break
-        except Exception as error:  # noqa: BLE001 - their compiled default is known to crash; record why and fall back
-            record["theirs_failures"].append(f"{config.attention}/{config.losses}: {type(error).__name__}: {str(error)[:300]}")
+        except Exception as error:  # their compiled default is known to crash; record why and fall back
+            record["theirs_failures"].append(
+                f"{config.attention}/{config.losses}: {type(error).__name__}: {str(error)[:300]}"
+            )
             del ours, theirs
     else:
         record["error"] = "no speculators configuration ran"
         return record
-    record["theirs_configuration"] = f"{config.attention}, {config.losses} losses, {'compiled' if config.compile else 'eager'} ({config.why})"
+    record["theirs_configuration"] = (
+        f"{config.attention}, {config.losses} losses, {'compiled' if config.compile else 'eager'} ({config.why})"
+    )
     ours_loss = ours_step()
     relative = abs(ours_loss - theirs_loss) / abs(theirs_loss)
     record.update({"ours_loss": ours_loss, "theirs_loss": theirs_loss, "loss_relative_difference": relative})
@@ -266,23 +338,34 @@ def measure(size_name: str, algorithm: str, device: str, precision: str, steps: 
     for _ in range(steps):  # interleaved A B A B, so drift on a noisy machine hits both alike
         ours_times.append(timed(ours_step, device))
         theirs_times.append(timed(theirs_step, device))
-    ratios = [a / b for a, b in zip(ours_times, theirs_times)]
+    ratios = [a / b for a, b in zip(ours_times, theirs_times, strict=True)]
     flops, queries = model_flops(ours, row, anchors), anchors.positions.shape[0] * ours.config.block_size
     del ours, theirs
     ours_mem = probe_in_subprocess(size_name, algorithm, "ours", device, precision, config_index)
     theirs_mem = probe_in_subprocess(size_name, algorithm, "theirs", device, precision, config_index)
     ours_median, theirs_median = statistics.median(ours_times), statistics.median(theirs_times)
     peak = bf16_peak(device) if precision == "bf16" else None
-    record.update({
-        "steps": steps, "ours_median_ms": 1000 * ours_median, "ours_min_ms": 1000 * min(ours_times),
-        "theirs_median_ms": 1000 * theirs_median, "theirs_min_ms": 1000 * min(theirs_times),
-        "time_ratio_median": statistics.median(ratios), "time_ratio_min": min(ratios),
-        "ours_peak_mib": ours_mem, "theirs_peak_mib": theirs_mem, "memory_ratio": ours_mem / theirs_mem if theirs_mem else float("nan"),
-        "model_gflop_per_step": flops / 1e9,
-        "ours_query_tokens_per_s": queries / ours_median, "theirs_query_tokens_per_s": queries / theirs_median,
-        "ours_model_tflops": flops / ours_median / 1e12, "theirs_model_tflops": flops / theirs_median / 1e12,
-        "ours_mfu": flops / ours_median / peak if peak else None, "theirs_mfu": flops / theirs_median / peak if peak else None,
-    })
+    record.update(
+        {
+            "steps": steps,
+            "ours_median_ms": 1000 * ours_median,
+            "ours_min_ms": 1000 * min(ours_times),
+            "theirs_median_ms": 1000 * theirs_median,
+            "theirs_min_ms": 1000 * min(theirs_times),
+            "time_ratio_median": statistics.median(ratios),
+            "time_ratio_min": min(ratios),
+            "ours_peak_mib": ours_mem,
+            "theirs_peak_mib": theirs_mem,
+            "memory_ratio": ours_mem / theirs_mem if theirs_mem else float("nan"),
+            "model_gflop_per_step": flops / 1e9,
+            "ours_query_tokens_per_s": queries / ours_median,
+            "theirs_query_tokens_per_s": queries / theirs_median,
+            "ours_model_tflops": flops / ours_median / 1e12,
+            "theirs_model_tflops": flops / theirs_median / 1e12,
+            "ours_mfu": flops / ours_median / peak if peak else None,
+            "theirs_mfu": flops / theirs_median / peak if peak else None,
+        }
+    )
     return record
 
 
@@ -293,13 +376,20 @@ GOALS = {("medium", "dflash2", "cpu"): (0.5, 0.6), ("qwen3-8b", "dflash2", "cuda
 def goal_lines(records: list[dict]) -> list[str]:
     lines = []
     for (size, algorithm, kind), (max_time, max_memory) in GOALS.items():
-        rows = [r for r in records if (r["size"], r["algorithm"]) == (size, algorithm) and r["device"].startswith(kind) and "error" not in r]
+        rows = [
+            r
+            for r in records
+            if (r["size"], r["algorithm"]) == (size, algorithm) and r["device"].startswith(kind) and "error" not in r
+        ]
         if not rows:
             lines.append(f"- {size} {algorithm} on {kind}: not measured in this run.")
         for r in rows:
             met = r["time_ratio_median"] <= max_time and r["memory_ratio"] <= max_memory
-            lines.append(f"- {size} {algorithm} on {kind}, {r['precision']}: time ratio {r['time_ratio_median']:.3f} (goal <= {max_time:.3g}), "
-                         f"memory ratio {r['memory_ratio']:.3f} (goal <= {max_memory}): {'met' if met else 'NOT met'}.")
+            lines.append(
+                f"- {size} {algorithm} on {kind}, {r['precision']}: time ratio "
+                f"{r['time_ratio_median']:.3f} (goal <= {max_time:.3g}), "
+                f"memory ratio {r['memory_ratio']:.3f} (goal <= {max_memory}): {'met' if met else 'NOT met'}."
+            )
     return lines
 
 
@@ -310,29 +400,43 @@ def write_results(records: list[dict], path: Path) -> None:
     lines = [
         "# Training-step benchmark: dflash-lab vs speculators 0.9.0",
         "",
-        f"- Date: {datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
-        f"- Machine: {platform.machine()}, {platform.processor() or platform.platform()}, {torch.get_num_threads()} threads"
+        f"- Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- Machine: {platform.machine()}, {platform.processor() or platform.platform()}, "
+        f"{torch.get_num_threads()} threads"
         + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", CPU only"),
         f"- Versions: {', '.join(f'{k} {v}' for k, v in versions.items())}",
-        "- Step = forward + backward + grad clipping on the same flattened batch; interleaved A B; ratio = ours / theirs per pair, median.",
+        "- Step = forward + backward + grad clipping on the same flattened "
+        "batch; interleaved A B; ratio = ours / theirs per pair, median.",
         "- Precision: both sides run the same one: fp32, or bf16 autocast with fp32 master weights (spec §3.7).",
         "- Peak memory: RSS growth over the steps (CPU) or max_memory_allocated (CUDA), each in a fresh process.",
-        "- Model TFLOP/s counts the same FLOPs for both (see `model_flops`); MFU is against the dense bf16 peak, CUDA only.",
+        "- Model TFLOP/s counts the same FLOPs for both (see "
+        "`model_flops`); MFU is against the dense bf16 peak, CUDA only.",
         "",
-        "| size | algorithm | device | precision | speculators configuration | loss rel. diff | ours median ms | theirs median ms "
+        "| size | algorithm | device | precision | speculators "
+        "configuration | loss rel. diff | ours median ms | theirs median ms "
         "| time ratio | ours peak MiB | theirs peak MiB | memory ratio | ours query tok/s | ours model TFLOP/s (MFU) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
-        head = f"| {r['size']} | {r['algorithm']} | {r['device']} | {r['precision']} | {r.get('theirs_configuration', '-')} "
+        configuration = r.get("theirs_configuration", "-")
+        head = f"| {r['size']} | {r['algorithm']} | {r['device']} | {r['precision']} | {configuration} "
         if "error" in r:
-            lines.append(head + f"| {r.get('loss_relative_difference', float('nan')):.2e} | {r['error']} | | | | | | | |")
+            lines.append(
+                head + f"| {r.get('loss_relative_difference', float('nan')):.2e} | {r['error']} | | | | | | | |"
+            )
             continue
         mfu = f" ({100 * r['ours_mfu']:.1f}%)" if r["ours_mfu"] else ""
-        lines.append(head + f"| {r['loss_relative_difference']:.2e} | {r['ours_median_ms']:.1f} | {r['theirs_median_ms']:.1f} "
-                     f"| {r['time_ratio_median']:.3f} | {r['ours_peak_mib']:.0f} | {r['theirs_peak_mib']:.0f} | {r['memory_ratio']:.3f} "
-                     f"| {r['ours_query_tokens_per_s']:.0f} | {r['ours_model_tflops']:.3f}{mfu} |")
-    failures = [f"- {r['size']} {r['algorithm']} {r['precision']}: {failure}" for r in records for failure in r["theirs_failures"]]
+        lines.append(
+            head + f"| {r['loss_relative_difference']:.2e} | {r['ours_median_ms']:.1f} | {r['theirs_median_ms']:.1f} "
+            f"| {r['time_ratio_median']:.3f} | {r['ours_peak_mib']:.0f} "
+            f"| {r['theirs_peak_mib']:.0f} | {r['memory_ratio']:.3f} "
+            f"| {r['ours_query_tokens_per_s']:.0f} | {r['ours_model_tflops']:.3f}{mfu} |"
+        )
+    failures = [
+        f"- {r['size']} {r['algorithm']} {r['precision']}: {failure}"
+        for r in records
+        for failure in r["theirs_failures"]
+    ]
     lines += ["", "## Goals", "", *goal_lines(records)]
     if failures:
         lines += ["", "## speculators configurations that failed", "", *failures]
@@ -343,20 +447,33 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["tiny", "medium", "smollm"], choices=list(SIZES))
     parser.add_argument("--algorithms", nargs="+", default=["dflash", "dflash2"], choices=["dflash", "dflash2"])
-    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"],
-                        help="both sides run under each: fp32, or bf16 autocast with fp32 master weights")
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        default=["fp32", "bf16"],
+        choices=["fp32", "bf16"],
+        help="both sides run under each: fp32, or bf16 autocast with fp32 master weights",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "RESULTS.md")
-    parser.add_argument("--smoke", action="store_true", help="tiny size, fp32, 2 steps, results not written: checks the benchmark runs and parity holds")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny size, fp32, 2 steps, results not written: checks the benchmark runs and parity holds",
+    )
     parser.add_argument("--probe", choices=["ours", "theirs"], help=argparse.SUPPRESS)
     parser.add_argument("--theirs-config", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
         args.sizes, args.precisions, args.steps, args.warmup = ["tiny"], ["fp32"], 2, 1
     if args.probe:
-        print(memory_probe(args.sizes[0], args.algorithms[0], args.probe, args.device, args.precisions[0], args.theirs_config))
+        print(
+            memory_probe(
+                args.sizes[0], args.algorithms[0], args.probe, args.device, args.precisions[0], args.theirs_config
+            )
+        )
         return 0
     records = []
     for size in args.sizes:

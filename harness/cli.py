@@ -47,19 +47,36 @@ DATA_FLAGS: dict[str, tuple[str, Any]] = {
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workdir", type=Path, default=Path("work"), help="caches, runs and the MLflow store (default: ./work)")
+    parser.add_argument(
+        "--workdir", type=Path, default=Path("work"), help="caches, runs and the MLflow store (default: ./work)"
+    )
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--algorithm", choices=["dflash", "dflash2"], default="dflash2", help="draft algorithm (default: dflash2)")
-    parser.add_argument("--target", default="smollm2-135m", help="embedded target name, local HF model dir or hub id (default: smollm2-135m)")
+    parser.add_argument(
+        "--algorithm", choices=["dflash", "dflash2"], default="dflash2", help="draft algorithm (default: dflash2)"
+    )
+    parser.add_argument(
+        "--target",
+        default="smollm2-135m",
+        help="embedded target name, local HF model dir or hub id (default: smollm2-135m)",
+    )
     parser.add_argument("--data", help="dataset: 'chitchat' (embedded), a messages JSONL file or an HF dataset id")
     parser.add_argument("--config", type=Path, help="YAML run config; flags given on the command line override it")
-    parser.add_argument("--preset", choices=["small", "published"], help="knob preset (default: small for the embedded target, else published)")
-    parser.add_argument("--sample-from-anchor", dest="sample_from_anchor", action=argparse.BooleanOptionalAction, default=None,
-                        help="predict from the anchor slot too (DSpark style; dflash only)")
+    parser.add_argument(
+        "--preset",
+        choices=["small", "published"],
+        help="knob preset (default: small for the embedded target, else published)",
+    )
+    parser.add_argument(
+        "--sample-from-anchor",
+        dest="sample_from_anchor",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="predict from the anchor slot too (DSpark style; dflash only)",
+    )
     for flag, (name, _) in {**KNOB_FLAGS, **TRAIN_FLAGS, **DATA_FLAGS}.items():
         parser.add_argument(flag, dest=name, default=None, help=f"knob {name}")
 
@@ -71,7 +88,9 @@ def resolve_run_config(args: argparse.Namespace):
     from harness.config import RunConfig, load_yaml
     from harness.presets import preset_run
 
-    base = preset_run(args.preset or ("small" if args.target == "smollm2-135m" else "published"), args.algorithm, args.target)
+    base = preset_run(
+        args.preset or ("small" if args.target == "smollm2-135m" else "published"), args.algorithm, args.target
+    )
     data = base.to_dict()
     if args.config:
         loaded = load_yaml(args.config)
@@ -89,8 +108,12 @@ def resolve_run_config(args: argparse.Namespace):
             try:
                 value = kind(value)
             except ValueError:
-                raise SystemExit(f"error: {flag}={value!r} is not a valid {getattr(kind, '__name__', 'list of ints')}") from None
-            target_section = section or ("shared" if name in {f.name for f in dataclasses.fields(type(base.algorithm.shared))} else "knobs")
+                raise SystemExit(
+                    f"error: {flag}={value!r} is not a valid {getattr(kind, '__name__', 'list of ints')}"
+                ) from None
+            target_section = section or (
+                "shared" if name in {f.name for f in dataclasses.fields(type(base.algorithm.shared))} else "knobs"
+            )
             data[target_section][name] = value
     if args.sample_from_anchor is not None:
         data["shared"]["sample_from_anchor"] = args.sample_from_anchor
@@ -149,8 +172,14 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
     config = resolve_run_config(args)
     workspace = prepare_workspace(config, args.workdir, args.device)
-    print(f"target {workspace.target.name} ({workspace.target.weights_hash}), mask token {workspace.target.mask_token_id}: {workspace.target.mask_token_reason}")
-    print(f"data {workspace.data.dataset_id} ({workspace.data.dataset_hash}): {len(workspace.data.train)} train / {len(workspace.data.validation)} validation documents")
+    print(
+        f"target {workspace.target.name} ({workspace.target.weights_hash}), mask "
+        f"token {workspace.target.mask_token_id}: {workspace.target.mask_token_reason}"
+    )
+    print(
+        f"data {workspace.data.dataset_id} ({workspace.data.dataset_hash}): "
+        f"{len(workspace.data.train)} train / {len(workspace.data.validation)} validation documents"
+    )
     print(f"features {'reused' if workspace.feature_cache_hit else 'built'}: {workspace.features.directory}")
     return 0
 
@@ -177,7 +206,9 @@ def load_checkpoint(run: Path, workdir: Path):
     run_dir = run if run.is_dir() else workdir / "runs" / str(run)
     checkpoint = run_dir / "checkpoint.pt"
     if not checkpoint.exists():
-        raise SystemExit(f"error: no checkpoint at {checkpoint}; pass a run directory or a run name under {workdir / 'runs'}")
+        raise SystemExit(
+            f"error: no checkpoint at {checkpoint}; pass a run directory or a run name under {workdir / 'runs'}"
+        )
     state = torch.load(checkpoint, weights_only=False)
     return run_dir, state, RunConfig.from_dict(state["config"])
 
@@ -192,17 +223,26 @@ def restore_draft(config, state: dict, target, device: str = "cpu"):
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from harness import tracking
-    from harness.evaluate import EVAL_PREFIX, EvalConfig, log_evaluation, evaluate
+    from harness.evaluate import EVAL_PREFIX, EvalConfig, evaluate, log_evaluation
     from harness.train import prepare_workspace
 
     run_dir, state, config = load_checkpoint(args.run, args.workdir)
     workspace = prepare_workspace(config, args.workdir, args.device)
     draft = restore_draft(config, state, workspace.target, args.device)
-    eval_config = EvalConfig(num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures))
+    eval_config = EvalConfig(
+        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures)
+    )
     metrics, records = evaluate(workspace.target, draft, workspace.data.validation, eval_config)
     log_evaluation(args.workdir, state["run_id"], metrics, records, run_dir)
-    for name in ("measured_accepted_length_greedy", "measured_accepted_length_t1", "chat_offline_realized_accepted_length",
-                 "chat_offline_realized_accepted_length_replayed", "chat_measured_accepted_length_greedy_pooled", "mtbench_lossless_fraction", "chat_lossless_fraction"):
+    for name in (
+        "measured_accepted_length_greedy",
+        "measured_accepted_length_t1",
+        "chat_offline_realized_accepted_length",
+        "chat_offline_realized_accepted_length_replayed",
+        "chat_measured_accepted_length_greedy_pooled",
+        "mtbench_lossless_fraction",
+        "chat_lossless_fraction",
+    ):
         if name in metrics:
             print(f"{EVAL_PREFIX}{name}: {metrics[name]:.4f}")
     print(f"logged to MLflow run {state['run_id']}; per-request records in {run_dir / 'eval_records.json'}")
@@ -211,37 +251,56 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-lab", description="Train, compare and ablate DFlash-family draft models.")
+    parser = argparse.ArgumentParser(
+        prog="dflash-lab", description="Train, compare and ablate DFlash-family draft models."
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="train one tracked draft run", description="Train one DFlash/DFlash2 draft, tracked in MLflow.")
+    train = commands.add_parser(
+        "train", help="train one tracked draft run", description="Train one DFlash/DFlash2 draft, tracked in MLflow."
+    )
     add_common(train)
     add_run_options(train)
     train.add_argument("--run-name", help="run directory / MLflow run name (default: <algorithm>-<config hash>)")
-    train.add_argument("--resume", action="store_true", help="continue the run from its last checkpoint, in the same MLflow run")
-    train.add_argument("--dry-run", action="store_true", help="print resolved knobs, draft config and parameter counts; load nothing")
+    train.add_argument(
+        "--resume", action="store_true", help="continue the run from its last checkpoint, in the same MLflow run"
+    )
+    train.add_argument(
+        "--dry-run", action="store_true", help="print resolved knobs, draft config and parameter counts; load nothing"
+    )
     train.set_defaults(handler=cmd_train)
 
-    prepare = commands.add_parser("prepare", help="regenerate data and build the feature cache ahead of time",
-                                  description="Regenerate responses with the target and extract the shared feature cache.")
+    prepare = commands.add_parser(
+        "prepare",
+        help="regenerate data and build the feature cache ahead of time",
+        description="Regenerate responses with the target and extract the shared feature cache.",
+    )
     add_common(prepare)
     add_run_options(prepare)
     prepare.set_defaults(handler=cmd_prepare)
 
-    export = commands.add_parser("export", help="write a servable Z Lab / speculators / vLLM checkpoint",
-                                 description="Export a run's last checkpoint in the native layout with a dual config.")
+    export = commands.add_parser(
+        "export",
+        help="write a servable Z Lab / speculators / vLLM checkpoint",
+        description="Export a run's last checkpoint in the native layout with a dual config.",
+    )
     add_common(export)
     export.add_argument("run", type=Path, help="run directory or run name")
     export.add_argument("--out", type=Path, help="output directory (default: <run>/export)")
     export.set_defaults(handler=cmd_export)
 
-    evaluate = commands.add_parser("evaluate", help="measure acceptance by real speculative decoding (MT-bench + held-out chat)",
-                                   description="Decode with the target verifying the draft; log measured acceptance beside the offline metrics.")
+    evaluate = commands.add_parser(
+        "evaluate",
+        help="measure acceptance by real speculative decoding (MT-bench + held-out chat)",
+        description="Decode with the target verifying the draft; log measured acceptance beside the offline metrics.",
+    )
     add_common(evaluate)
     evaluate.add_argument("run", type=Path, help="run directory or run name")
     evaluate.add_argument("--num-prompts", type=int, default=20, help="prompts per set (default: 20)")
     evaluate.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default: 128)")
-    evaluate.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="decoding temperatures (default: 0 1)")
+    evaluate.add_argument(
+        "--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="decoding temperatures (default: 0 1)"
+    )
     evaluate.set_defaults(handler=cmd_evaluate)
 
     from reports.cli import add_report_command
@@ -255,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return args.handler(args)
 
 

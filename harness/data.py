@@ -39,13 +39,25 @@ class DataConfig:
     seed: int = 0
 
     def validate(self) -> None:
-        for name in ("num_conversations", "max_user_turns", "max_new_tokens", "generation_batch_size", "max_length", "row_length"):
+        for name in (
+            "num_conversations",
+            "max_user_turns",
+            "max_new_tokens",
+            "generation_batch_size",
+            "max_length",
+            "row_length",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"invalid knob {name}={getattr(self, name)!r}: allowed an integer >= 1")
         if not 0 < self.num_validation < self.num_conversations:
-            raise ValueError(f"invalid knob num_validation={self.num_validation!r}: allowed an integer in [1, num_conversations={self.num_conversations})")
+            raise ValueError(
+                f"invalid knob num_validation={self.num_validation!r}: allowed "
+                f"an integer in [1, num_conversations={self.num_conversations})"
+            )
         if self.max_length > self.row_length:
-            raise ValueError(f"invalid knob max_length={self.max_length!r}: allowed at most row_length={self.row_length}")
+            raise ValueError(
+                f"invalid knob max_length={self.max_length!r}: allowed at most row_length={self.row_length}"
+            )
 
 
 @dataclass
@@ -66,7 +78,9 @@ def chitchat_to_jsonl(out_path: Path) -> Path:
     try:
         raw_path = next(f.locate() for f in importlib.metadata.files(package) or [] if f.name == filename)
     except (importlib.metadata.PackageNotFoundError, StopIteration):
-        raise FileNotFoundError(f"dataset 'chitchat' needs the package {package!r}: pip install chitchat-dataset==0.9.0") from None
+        raise FileNotFoundError(
+            f"dataset 'chitchat' needs the package {package!r}: pip install chitchat-dataset==0.9.0"
+        ) from None
     if out_path.exists():
         return out_path
     raw = json.loads(Path(raw_path).read_text())
@@ -98,7 +112,9 @@ def load_conversations(config: DataConfig, cache_dir: Path) -> list[list[dict]]:
     order = list(range(len(table)))
     random.Random(config.seed).shuffle(order)
     if len(order) < config.num_conversations:
-        raise ValueError(f"invalid knob num_conversations={config.num_conversations}: dataset {config.dataset!r} has {len(order)}")
+        raise ValueError(
+            f"invalid knob num_conversations={config.num_conversations}: dataset {config.dataset!r} has {len(order)}"
+        )
     return [table[i]["messages"] for i in order[: config.num_conversations]]
 
 
@@ -120,16 +136,27 @@ def regenerate(target, conversations: list[list[dict]], config: DataConfig) -> l
         for turn in range(config.max_user_turns):
             active = [i for i, p in enumerate(prompts) if len(p) > turn]
             for start in range(0, len(active), config.generation_batch_size):
-                batch = active[start:start + config.generation_batch_size]
+                batch = active[start : start + config.generation_batch_size]
                 for i in batch:
                     dialogues[i].append({"role": "user", "content": prompts[i][turn]})
-                texts = [tokenizer.apply_chat_template(dialogues[i], tokenize=False, add_generation_prompt=True) for i in batch]
+                texts = [
+                    tokenizer.apply_chat_template(dialogues[i], tokenize=False, add_generation_prompt=True)
+                    for i in batch
+                ]
                 encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-                sampling = dict(do_sample=True, temperature=config.generation_temperature) if config.generation_temperature > 0 else dict(do_sample=False)
+                sampling = (
+                    dict(do_sample=True, temperature=config.generation_temperature)
+                    if config.generation_temperature > 0
+                    else dict(do_sample=False)
+                )
                 torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
-                output = model.generate(**encoded, max_new_tokens=config.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
+                output = model.generate(
+                    **encoded, max_new_tokens=config.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
+                )
                 for row, i in enumerate(batch):
-                    reply = tokenizer.decode(output[row, encoded["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+                    reply = tokenizer.decode(
+                        output[row, encoded["input_ids"].shape[1] :], skip_special_tokens=True
+                    ).strip()
                     dialogues[i].append({"role": "assistant", "content": reply})
                 bar.update(len(batch))
     return dialogues
@@ -146,9 +173,15 @@ def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> D
     mask: list[int] = []
     for end in range(1, len(messages) + 1):
         full = template_ids(tokenizer, messages[:end])
-        prompt = template_ids(tokenizer, messages[: end - 1], add_generation_prompt=True) if messages[end - 1]["role"] == "assistant" else full
+        prompt = (
+            template_ids(tokenizer, messages[: end - 1], add_generation_prompt=True)
+            if messages[end - 1]["role"] == "assistant"
+            else full
+        )
         if full[: len(prompt)] != prompt or prompt[: len(ids)] != ids:
-            raise ValueError("the chat template does not render conversations as token prefixes; cannot build an assistant mask")
+            raise ValueError(
+                "the chat template does not render conversations as token prefixes; cannot build an assistant mask"
+            )
         mask += [0] * (len(prompt) - len(ids)) + [1] * (len(full) - len(prompt))
         ids = full
     return Document(ids[:max_length], mask[:max_length])
@@ -178,10 +211,10 @@ def pack_row(documents: list[Document], row_length: int) -> PackedRow:
     start = 0
     for doc_index, doc in enumerate(documents):
         size = len(doc.input_ids)
-        input_ids[start:start + size] = torch.tensor(doc.input_ids)
-        loss_mask[start:start + size] = torch.tensor(doc.loss_mask, dtype=torch.float)
-        document_ids[start:start + size] = doc_index
-        position_ids[start:start + size] = torch.arange(size)
+        input_ids[start : start + size] = torch.tensor(doc.input_ids)
+        loss_mask[start : start + size] = torch.tensor(doc.loss_mask, dtype=torch.float)
+        document_ids[start : start + size] = doc_index
+        position_ids[start : start + size] = torch.arange(size)
         start += size
     empty = torch.empty(row_length, 0)
     return PackedRow(input_ids, loss_mask, document_ids, position_ids, empty, empty)
@@ -211,7 +244,10 @@ def prepare_documents(target, config: DataConfig, cache_dir: Path) -> PreparedDa
             conversations = regenerate(target, conversations, config)
         else:
             conversations = [trim_to_user_turns(c, config.max_user_turns) for c in conversations]
-        documents = [asdict(tokenize_conversation(target.tokenizer, c, config.max_length)) for c in tqdm(conversations, desc="tokenising", unit="conv")]
+        documents = [
+            asdict(tokenize_conversation(target.tokenizer, c, config.max_length))
+            for c in tqdm(conversations, desc="tokenising", unit="conv")
+        ]
         payload = {"documents": documents, "conversations": conversations}
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".tmp{os.getpid()}")
@@ -219,7 +255,7 @@ def prepare_documents(target, config: DataConfig, cache_dir: Path) -> PreparedDa
         os.replace(tmp, cache)
     documents = [Document(**d) for d in payload["documents"]]
     documents = [d for d in documents if sum(d.loss_mask) > 0]
-    validation, train = documents[: config.num_validation], documents[config.num_validation:]
+    validation, train = documents[: config.num_validation], documents[config.num_validation :]
     return PreparedData(train, validation, config.dataset, stable_hash(payload["documents"]), config)
 
 

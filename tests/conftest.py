@@ -13,8 +13,15 @@ VOCAB, HIDDEN, TARGET_LAYERS = 300, 64, 8
 
 def tiny_target(**overrides) -> TargetSpec:
     fields = dict(
-        num_hidden_layers=TARGET_LAYERS, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, intermediate_size=128, vocab_size=VOCAB, rms_norm_eps=1e-6, rope_theta=10000.0,
+        num_hidden_layers=TARGET_LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
     )
     fields.update(overrides)
     return TargetSpec(**fields)
@@ -53,9 +60,9 @@ def packed_row(doc_lengths=(20, 14), pad: int = 6, seed: int = 0, num_features: 
     loss_mask = torch.zeros(length)
     start = 0
     for doc, size in enumerate(doc_lengths):
-        document_ids[start:start + size] = doc
-        position_ids[start:start + size] = torch.arange(size)
-        loss_mask[start + 3:start + size] = 1
+        document_ids[start : start + size] = doc
+        position_ids[start : start + size] = torch.arange(size)
+        loss_mask[start + 3 : start + size] = 1
         start += size
     input_ids = torch.randint(0, VOCAB, (length,), generator=generator) * (document_ids != -1)
     return PackedRow(
@@ -79,6 +86,7 @@ def anchors_for(row: PackedRow, block_size: int = 4, max_anchors: int = 8, seed:
 
 # ---- the embedded real target (slow tests) --------------------------------------------------------
 
+
 def e2e_run_config(algorithm: str = "dflash2", **train_overrides):
     """The small preset, shrunk further so end-to-end tests fit CI; real target, real data."""
     import dataclasses
@@ -86,9 +94,13 @@ def e2e_run_config(algorithm: str = "dflash2", **train_overrides):
     from harness.presets import preset_run
 
     config = preset_run("small", algorithm, "smollm2-135m")
-    config.data = dataclasses.replace(config.data, num_conversations=40, num_validation=8, max_new_tokens=48, row_length=512, max_length=192)
+    config.data = dataclasses.replace(
+        config.data, num_conversations=40, num_validation=8, max_new_tokens=48, row_length=512, max_length=192
+    )
     config.algorithm = config.algorithm.replace(max_anchors=16)
-    config.train = dataclasses.replace(config.train, **{"max_steps": 4, "eval_every": 2, "log_every": 1, "checkpoint_every": 2, **train_overrides})
+    config.train = dataclasses.replace(
+        config.train, **{"max_steps": 4, "eval_every": 2, "log_every": 1, "checkpoint_every": 2, **train_overrides}
+    )
     return config
 
 
@@ -115,6 +127,10 @@ def trained(e2e_workspace):
     from harness.train import train
 
     return {
-        algorithm: train(e2e_run_config(algorithm, max_steps=60, eval_every=60, checkpoint_every=60, log_every=20), e2e_workspace, run_name=f"learns-{algorithm}")
+        algorithm: train(
+            e2e_run_config(algorithm, max_steps=60, eval_every=60, checkpoint_every=60, log_every=20),
+            e2e_workspace,
+            run_name=f"learns-{algorithm}",
+        )
         for algorithm in ("dflash2", "dflash")
     }

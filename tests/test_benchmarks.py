@@ -12,8 +12,13 @@ pytestmark = pytest.mark.peer
 
 
 def test_train_step_benchmark_smoke():
-    done = subprocess.run([sys.executable, "-m", "benchmarks.train_step", "--smoke"], capture_output=True, text=True,
-                          timeout=600, cwd=Path(__file__).parent.parent)
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.train_step", "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).parent.parent,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     records = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert {r["algorithm"] for r in records} == {"dflash", "dflash2"}

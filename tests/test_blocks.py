@@ -3,7 +3,6 @@ import torch
 
 from algorithms.blocks import (
     Anchors,
-    PackedRow,
     attention_tiles,
     block_attention_mask,
     block_indices,
@@ -17,7 +16,18 @@ def test_block_indices_example():
     assert block_indices(torch.tensor([0, 5, 10]), 3).tolist() == [0, 1, 2, 5, 6, 7, 10, 11, 12]
 
 
-def _rule(anchor: int, valid: bool, docs: torch.Tensor, q_slot: int, q_block: int, col: int, length: int, block: int, causal: bool, window):
+def _rule(
+    anchor: int,
+    valid: bool,
+    docs: torch.Tensor,
+    q_slot: int,
+    q_block: int,
+    col: int,
+    length: int,
+    block: int,
+    causal: bool,
+    window,
+):
     """Spec §3.4, written element by element."""
     if col < length:
         d = int(docs[anchor])
@@ -40,7 +50,9 @@ def test_dense_mask_equals_elementwise_rule():
             for q in range(12):
                 assert mask[q].any(), "every row sees at least itself"
                 for col in range(28):
-                    expected = _rule(int(anchors.positions[q // 4]), True, docs, q % 4, q // 4, col, 16, 4, causal, window)
+                    expected = _rule(
+                        int(anchors.positions[q // 4]), True, docs, q % 4, q // 4, col, 16, 4, causal, window
+                    )
                     assert bool(mask[q, col]) == expected, (causal, window, q, col)
 
 
@@ -48,17 +60,19 @@ def test_padding_anchor_sees_only_its_block():
     docs = torch.tensor([0] * 8)
     anchors = Anchors(torch.tensor([3, 0]), torch.tensor([True, False]))
     mask = block_attention_mask(anchors, docs, 2, False, None)
-    assert not mask[2:, :8].any() and mask[2:, 8 + 2:].all()
+    assert not mask[2:, :8].any() and mask[2:, 8 + 2 :].all()
 
 
 def _random_packing(generator: torch.Generator, max_doc: int) -> tuple[torch.Tensor, torch.Tensor]:
     """1-4 documents of 1..max_doc tokens, then up to 3 padding tokens; a random loss mask on documents."""
-    sizes = torch.randint(1, max_doc + 1, (int(torch.randint(1, 5, (1,), generator=generator)),), generator=generator).tolist()
+    sizes = torch.randint(
+        1, max_doc + 1, (int(torch.randint(1, 5, (1,), generator=generator)),), generator=generator
+    ).tolist()
     length = sum(sizes) + int(torch.randint(0, 4, (1,), generator=generator))
     docs = torch.full((length,), -1)
     start = 0
     for doc, size in enumerate(sizes):
-        docs[start:start + size] = doc
+        docs[start : start + size] = doc
         start += size
     loss_mask = (torch.rand(length, generator=generator) > 0.3).float() * (docs != -1)
     return docs, loss_mask
@@ -66,7 +80,7 @@ def _random_packing(generator: torch.Generator, max_doc: int) -> tuple[torch.Ten
 
 def test_no_block_crosses_a_document_over_random_packings():
     generator = torch.Generator().manual_seed(0)
-    for trial in range(200):
+    for _ in range(200):
         block = int(torch.randint(2, 6, (1,), generator=generator))
         docs, loss_mask = _random_packing(generator, max_doc=11)
         length = docs.shape[0]
@@ -78,7 +92,7 @@ def test_no_block_crosses_a_document_over_random_packings():
         for a in real.tolist():
             assert a + block - 1 < length
             assert bool(loss_mask[a])
-            assert (docs[a:a + block] == docs[a]).all() and docs[a] != -1
+            assert (docs[a : a + block] == docs[a]).all() and docs[a] != -1
 
 
 @pytest.mark.parametrize("causal, window", [(False, None), (True, 5)])
@@ -92,12 +106,14 @@ def test_attention_tiles_reassemble_the_dense_mask_over_random_packings(causal, 
         anchors = sample_anchors(loss_mask, docs, block, 7, generator)
         dense = block_attention_mask(anchors, docs, block, causal, window)
         rebuilt = torch.zeros_like(dense)
-        tiles = attention_tiles(anchors, docs, block, causal, window, blocks_per_tile=int(torch.randint(1, 4, (1,), generator=generator)))
+        tiles = attention_tiles(
+            anchors, docs, block, causal, window, blocks_per_tile=int(torch.randint(1, 4, (1,), generator=generator))
+        )
         covered = 0
         for tile in tiles:
             width = tile.context.stop - tile.context.start
             rebuilt[tile.queries, tile.context] = tile.mask[:, :width]
-            rebuilt[tile.queries, length + tile.queries.start:length + tile.queries.stop] = tile.mask[:, width:]
+            rebuilt[tile.queries, length + tile.queries.start : length + tile.queries.stop] = tile.mask[:, width:]
             assert tile.queries.start == covered
             covered = tile.queries.stop
         assert covered == dense.shape[0]

@@ -57,8 +57,14 @@ def _selector_walks(unary_scale: float):
     candidate_unary, candidate_ids = unary.topk(4, dim=-1)
     hidden = torch.randn(1, 2, 8, generator=generator)
     with torch.no_grad():
-        walks = selector.walk(candidate_unary.expand(DRAWS, -1, -1), candidate_ids.expand(DRAWS, -1, -1),
-                              hidden.expand(DRAWS, -1, -1), torch.full((DRAWS,), 5), temperature=1.0, generator=generator)
+        walks = selector.walk(
+            candidate_unary.expand(DRAWS, -1, -1),
+            candidate_ids.expand(DRAWS, -1, -1),
+            hidden.expand(DRAWS, -1, -1),
+            torch.full((DRAWS,), 5),
+            temperature=1.0,
+            generator=generator,
+        )
     return walks, unary, generator
 
 

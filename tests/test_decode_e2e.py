@@ -32,32 +32,64 @@ def test_greedy_speculative_decoding_is_lossless_on_mtbench(e2e_workspace, train
     draft = trained[algorithm].draft
     stop = {e2e_workspace.target.tokenizer.eos_token_id}
     cycles = 0
-    for prompt, reference in zip(prompts, references):
+    for prompt, reference in zip(prompts, references, strict=True):
         stats = speculative_generate(e2e_workspace.target.model, draft, prompt, MAX_NEW_TOKENS, stop)
         assert stats.tokens == reference
         cycles += len(stats.acceptance_lengths)
-        assert sum(stats.acceptance_lengths) == len(stats.tokens) - 1  # tau counts every committed token after the prefill's
+        assert (
+            sum(stats.acceptance_lengths) == len(stats.tokens) - 1
+        )  # tau counts every committed token after the prefill's
     assert cycles < sum(len(r) for r in references), "some drafts were accepted"
 
 
 def test_evaluate_logs_measured_acceptance_into_the_run(e2e_workspace, e2e_workdir, trained):
     run_id = trained["dflash2"].run_id
-    done = subprocess.run([sys.executable, "-m", "harness.cli", "evaluate", "learns-dflash2", "--workdir", str(e2e_workdir),
-                           "--num-prompts", "3", "--max-new-tokens", "32", "--temperatures", "0", "1"],
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "evaluate",
+            "learns-dflash2",
+            "--workdir",
+            str(e2e_workdir),
+            "--num-prompts",
+            "3",
+            "--max-new-tokens",
+            "32",
+            "--temperatures",
+            "0",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     metrics = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir)).get_run(run_id).data.metrics
-    for name in ("measured_accepted_length_greedy", "measured_accepted_length_t1", "measured_accepted_length_greedy_position_1_conditional_acc",
-                 "measured_accepted_length_greedy_draft_time_share", "measured_accepted_length_greedy_tokens_per_s",
-                 "chat_offline_realized_accepted_length", "chat_offline_realized_accepted_length_replayed", "chat_measured_minus_offline"):
+    for name in (
+        "measured_accepted_length_greedy",
+        "measured_accepted_length_t1",
+        "measured_accepted_length_greedy_position_1_conditional_acc",
+        "measured_accepted_length_greedy_draft_time_share",
+        "measured_accepted_length_greedy_tokens_per_s",
+        "chat_offline_realized_accepted_length",
+        "chat_offline_realized_accepted_length_replayed",
+        "chat_measured_minus_offline",
+    ):
         assert f"eval/{name}" in metrics, name
     assert metrics["eval/mtbench_lossless_fraction"] == 1.0 and metrics["eval/chat_lossless_fraction"] == 1.0
     assert metrics["eval/measured_accepted_length_greedy"] >= 1.0
     # decoding cycles replayed offline on the target's own continuations agree with measured greedy decoding
-    measured, replayed = metrics["eval/chat_measured_accepted_length_greedy_pooled"], metrics["eval/chat_offline_realized_accepted_length_replayed"]
+    measured, replayed = (
+        metrics["eval/chat_measured_accepted_length_greedy_pooled"],
+        metrics["eval/chat_offline_realized_accepted_length_replayed"],
+    )
     assert abs(measured - replayed) / replayed <= 0.10
     records = json.loads((e2e_workdir / "runs" / "learns-dflash2" / "eval_records.json").read_text())
-    assert {r["set"] for r in records} == {"mtbench", "chat"} and all(r["lossless"] for r in records if r["temperature"] == 0)
+    assert {r["set"] for r in records} == {"mtbench", "chat"} and all(
+        r["lossless"] for r in records if r["temperature"] == 0
+    )
 
 
 @pytest.mark.peer
@@ -66,7 +98,9 @@ def test_zlab_spec_generate_matches_our_loop(e2e_workspace, trained, tmp_path, a
     """Our exported checkpoint in Z Lab's dflash 0.1.0 spec_generate: same tokens, same per-cycle acceptance."""
     import torch
 
-    zlab = pytest.importorskip("dflash.model", reason="dflash==0.1.0 (Z Lab reference) is not installed; .ci/run installs it with --no-deps")
+    zlab = pytest.importorskip(
+        "dflash.model", reason="dflash==0.1.0 (Z Lab reference) is not installed; .ci/run installs it with --no-deps"
+    )
     from harness.export import export_checkpoint, load_exported_weights
 
     draft = trained[algorithm].draft
@@ -80,6 +114,8 @@ def test_zlab_spec_generate_matches_our_loop(e2e_workspace, trained, tmp_path, a
         ours = speculative_generate(model, draft, prompt, 48, {stop})
         # their stats timer synchronises CUDA; on a CPU-only torch it must be a plain clock
         with torch.no_grad(), mock.patch.object(zlab, "_cuda_time", time.perf_counter):
-            reference = zlab.dflash_generate(theirs.eval(), model, torch.tensor([prompt]), 48, [stop], temperature=0.0, return_stats=True)
-        assert reference.output_ids[0, len(prompt):].tolist() == ours.tokens
+            reference = zlab.dflash_generate(
+                theirs.eval(), model, torch.tensor([prompt]), 48, [stop], temperature=0.0, return_stats=True
+            )
+        assert reference.output_ids[0, len(prompt) :].tolist() == ours.tokens
         assert reference.acceptance_lengths == ours.acceptance_lengths

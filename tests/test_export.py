@@ -10,7 +10,9 @@ from harness.export import export_checkpoint, load_exported_weights
 
 from conftest import tiny_draft
 
-dflash_model = pytest.importorskip("dflash.model", reason="dflash==0.1.0 (Z Lab reference) is not installed; .ci/run installs it with --no-deps")
+dflash_model = pytest.importorskip(
+    "dflash.model", reason="dflash==0.1.0 (Z Lab reference) is not installed; .ci/run installs it with --no-deps"
+)
 
 
 def _perturbed(algorithm):
@@ -40,10 +42,21 @@ def test_export_layout_and_dual_config(tmp_path, algorithm):
     assert config["vocab_size"] == config["draft_vocab_size"] == 300
     assert config["is_causal"] is False and config["sliding_window_non_causal"] is True
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
-    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "layer_types", "is_causal"):
+    for key in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "layer_types",
+        "is_causal",
+    ):
         assert config[key] == config["transformer_layer_config"][key]
     if algorithm == "dflash2":
-        assert "candidate_selector.predecessor_codebook" in tensors and "candidate_selector.successor_codebook.weight" not in tensors
+        assert (
+            "candidate_selector.predecessor_codebook" in tensors
+            and "candidate_selector.successor_codebook.weight" not in tensors
+        )
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             assert config[key] == config["dflash_config"][key]
 
@@ -65,12 +78,17 @@ def test_export_loads_in_zlab_dflash_with_matching_outputs(tmp_path, algorithm):
     block_ids = torch.full((draft.block_size,), draft.config.mask_token_id)
     block_ids[0] = anchor
     with torch.no_grad():
-        reference = theirs(position_ids=torch.arange(context_length + draft.block_size)[None],
-                           noise_embedding=draft.embed_weight[block_ids][None], target_hidden=features[None])[0]
+        reference = theirs(
+            position_ids=torch.arange(context_length + draft.block_size)[None],
+            noise_embedding=draft.embed_weight[block_ids][None],
+            target_hidden=features[None],
+        )[0]
     assert torch.allclose(ours, reference, atol=1e-4)
     head = torch.nn.Linear(64, 300, bias=False)
     head.weight.data = draft.head_weight
     assert torch.allclose(draft.output_logits(ours), theirs.compute_logits(reference, head), atol=1e-4)
     if algorithm == "dflash2":
         path, _, _ = theirs.propose(reference[None, 1:], torch.tensor([anchor]), head, 0.0)
-        assert torch.equal(path[0], draft.propose_from_hidden(ours[1:], draft.output_logits(ours)[1:], anchor, 0.0, None).tokens)
+        assert torch.equal(
+            path[0], draft.propose_from_hidden(ours[1:], draft.output_logits(ours)[1:], anchor, 0.0, None).tokens
+        )

@@ -1,6 +1,5 @@
 """End-to-end checks on the embedded SmolLM2-135M target and real chitchat data."""
 
-import json
 import subprocess
 import sys
 import time
@@ -23,30 +22,42 @@ pytestmark = pytest.mark.slow
 def test_embedded_target_is_real(e2e_workspace):
     target = e2e_workspace.target
     spec = target.spec
-    assert (spec.num_hidden_layers, spec.hidden_size, spec.vocab_size, spec.num_attention_heads, spec.num_key_value_heads) == (30, 576, 49152, 9, 3)
+    assert (
+        spec.num_hidden_layers,
+        spec.hidden_size,
+        spec.vocab_size,
+        spec.num_attention_heads,
+        spec.num_key_value_heads,
+    ) == (30, 576, 49152, 9, 3)
     assert spec.architectures == ["LlamaForCausalLM"]
     ids = target.tokenizer("The capital of France is")["input_ids"]
     assert target.tokenizer.decode(ids) == "The capital of France is"
-    text = target.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text.endswith("<|im_start|>assistant\n")
     assert target.mask_token_id == 16 and "<empty_output>" in target.mask_token_reason
     # the dequantised model is a working LM: greedy continuation of a factual prompt
-    prompt = target.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False)
+    prompt = target.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
     encoded = target.tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     out = target.model.generate(**encoded, max_new_tokens=12, do_sample=False)
-    assert "Paris" in target.tokenizer.decode(out[0, encoded["input_ids"].shape[1]:])
+    assert "Paris" in target.tokenizer.decode(out[0, encoded["input_ids"].shape[1] :])
 
 
 def test_loss_mask_covers_assistant_tokens_only(e2e_workspace):
     tokenizer = e2e_workspace.target.tokenizer
     conversation = [
-        {"role": "user", "content": "hello there"}, {"role": "assistant", "content": "Hi! Nice day."},
-        {"role": "user", "content": "bye"}, {"role": "assistant", "content": "Goodbye."},
+        {"role": "user", "content": "hello there"},
+        {"role": "assistant", "content": "Hi! Nice day."},
+        {"role": "user", "content": "bye"},
+        {"role": "assistant", "content": "Goodbye."},
     ]
     doc = tokenize_conversation(tokenizer, conversation, 512)
-    supervised = tokenizer.decode([t for t, m in zip(doc.input_ids, doc.loss_mask) if m])
+    supervised = tokenizer.decode([t for t, m in zip(doc.input_ids, doc.loss_mask, strict=True) if m])
     assert supervised == "Hi! Nice day.<|im_end|>\nGoodbye.<|im_end|>\n"
-    unsupervised = tokenizer.decode([t for t, m in zip(doc.input_ids, doc.loss_mask) if not m])
+    unsupervised = tokenizer.decode([t for t, m in zip(doc.input_ids, doc.loss_mask, strict=True) if not m])
     assert "hello there" in unsupervised and "bye" in unsupervised and "Nice day" not in unsupervised
     # every real training document carries assistant supervision and some unsupervised prompt
     for document in e2e_workspace.data.train:
@@ -59,7 +70,9 @@ def test_feature_cache_hit_runs_no_target_and_corruption_is_detected(e2e_workspa
     documents = ws.data.validation + ws.data.train
     forward = mock.Mock(side_effect=AssertionError("the target must not run on a cache hit"))
     with mock.patch.object(ws.target, "model", forward):
-        cache, hit = load_or_build(ws.target, documents, ws.data.dataset_hash, layer_ids, ws.data.config.max_length, e2e_workdir)
+        cache, hit = load_or_build(
+            ws.target, documents, ws.data.dataset_hash, layer_ids, ws.data.config.max_length, e2e_workdir
+        )
     assert hit and forward.call_count == 0
     features, final = cache.document(0)
     assert features.shape == (len(documents[0].input_ids), len(layer_ids) * 576) and final.shape[1] == 576
@@ -69,14 +82,24 @@ def test_feature_cache_hit_runs_no_target_and_corruption_is_detected(e2e_workspa
     try:
         shard.write_bytes(original[:-100] + bytes(100))
         with pytest.raises(CorruptFeatureCache, match="corrupt"):
-            load_or_build(ws.target, documents, ws.data.dataset_hash, layer_ids, ws.data.config.max_length, e2e_workdir, on_corrupt="error")
+            load_or_build(
+                ws.target,
+                documents,
+                ws.data.dataset_hash,
+                layer_ids,
+                ws.data.config.max_length,
+                e2e_workdir,
+                on_corrupt="error",
+            )
     finally:
         shard.write_bytes(original)
 
 
 def _run(workdir, name):
     client = mlflow.MlflowClient(tracking.tracking_uri(workdir))
-    runs = client.search_runs([client.get_experiment_by_name(tracking.DEFAULT_EXPERIMENT).experiment_id], f"attributes.run_name = '{name}'")
+    runs = client.search_runs(
+        [client.get_experiment_by_name(tracking.DEFAULT_EXPERIMENT).experiment_id], f"attributes.run_name = '{name}'"
+    )
     assert len(runs) == 1
     return client, runs[0]
 
@@ -86,16 +109,42 @@ def test_mlflow_records_documented_params_and_metrics(e2e_workspace, e2e_workdir
     result = train(config, e2e_workspace, run_name="names-check")
     client, run = _run(e2e_workdir, "names-check")
     params = run.data.params
-    for name in ("algorithm", "shared.block_size", "shared.target_layer_ids", "shared.loss", "shared.position_weighting",
-                 "algo.conv_kernel_size", "algo.selector_rank", "algo.selector_top_k", "algo.selector_loss_alpha",
-                 "train.learning_rate", "train.seed", "target", "target_hash", "dataset", "dataset_hash"):
+    for name in (
+        "algorithm",
+        "shared.block_size",
+        "shared.target_layer_ids",
+        "shared.loss",
+        "shared.position_weighting",
+        "algo.conv_kernel_size",
+        "algo.selector_rank",
+        "algo.selector_top_k",
+        "algo.selector_loss_alpha",
+        "train.learning_rate",
+        "train.seed",
+        "target",
+        "target_hash",
+        "dataset",
+        "dataset_hash",
+    ):
         assert name in params, name
     assert params["shared.mask_token_id"] == "16" and params["target"] == "smollm2-135m"
     metrics = run.data.metrics
-    for name in ("val/unary_accepted_length", "val/realized_accepted_length", "val/oracle_accepted_length",
-                 "val/unary_candidate_recall_at_16", "val/unary_candidate_target_mass_at_16", "val/teacher_forced_selector_acc",
-                 "val/realized_position_1_conditional_acc", "val/oracle_position_7_conditional_acc",
-                 "train/loss", "train/unary_loss", "train/selector_loss", "train/lr", "train/draft_tokens_per_s", "train/target_feature_tokens_per_s"):
+    for name in (
+        "val/unary_accepted_length",
+        "val/realized_accepted_length",
+        "val/oracle_accepted_length",
+        "val/unary_candidate_recall_at_16",
+        "val/unary_candidate_target_mass_at_16",
+        "val/teacher_forced_selector_acc",
+        "val/realized_position_1_conditional_acc",
+        "val/oracle_position_7_conditional_acc",
+        "train/loss",
+        "train/unary_loss",
+        "train/selector_loss",
+        "train/lr",
+        "train/draft_tokens_per_s",
+        "train/target_feature_tokens_per_s",
+    ):
         assert name in metrics, name
     assert metrics["val/realized_accepted_length"] == pytest.approx(result.validation["realized_accepted_length"])
     assert run.data.tags[tracking.TAG_ALGORITHM] == "dflash2"
@@ -120,7 +169,10 @@ def test_nan_loss_stops_the_run_cleanly(e2e_workspace, e2e_workdir):
                 out.loss = out.loss * float("nan")
         return out
 
-    with mock.patch.object(DFlashDraft, "training_forward", poisoned), pytest.raises(NonFiniteLoss, match="non-finite loss nan at step 3"):
+    with (
+        mock.patch.object(DFlashDraft, "training_forward", poisoned),
+        pytest.raises(NonFiniteLoss, match="non-finite loss nan at step 3"),
+    ):
         train(config, e2e_workspace, run_name="nan-check")
     _, run = _run(e2e_workdir, "nan-check")
     assert run.info.status == "FAILED"
@@ -130,9 +182,30 @@ def test_nan_loss_stops_the_run_cleanly(e2e_workspace, e2e_workdir):
 
 
 def test_resume_after_kill_continues_the_same_run(e2e_workspace, e2e_workdir):
-    args = [sys.executable, "-m", "harness.cli", "train", "--algorithm", "dflash2", "--workdir", str(e2e_workdir),
-            "--run-name", "resume-check", "--max-steps", "8", "--eval-every", "2",
-            "--num-conversations", "40", "--num-validation", "8", "--row-length", "512", "--max-anchors", "16"]
+    args = [
+        sys.executable,
+        "-m",
+        "harness.cli",
+        "train",
+        "--algorithm",
+        "dflash2",
+        "--workdir",
+        str(e2e_workdir),
+        "--run-name",
+        "resume-check",
+        "--max-steps",
+        "8",
+        "--eval-every",
+        "2",
+        "--num-conversations",
+        "40",
+        "--num-validation",
+        "8",
+        "--row-length",
+        "512",
+        "--max-anchors",
+        "16",
+    ]
     config_path = e2e_workdir / "resume.yaml"
     config_path.write_text("data: {max_new_tokens: 48, max_length: 192}\ntrain: {checkpoint_every: 2, log_every: 1}\n")
     args += ["--config", str(config_path)]

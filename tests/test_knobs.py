@@ -9,7 +9,9 @@ from conftest import frozen_tensors, tiny_config, tiny_target
 
 @pytest.mark.parametrize("algorithm", ["dflash", "dflash2"])
 def test_config_round_trips_through_dict(algorithm):
-    config = tiny_config(algorithm, loss={"ce": 0.1, "tv": 0.9}, position_weighting="fixed-exp-decay", target_layer_ids=[1, 4, 6])
+    config = tiny_config(
+        algorithm, loss={"ce": 0.1, "tv": 0.9}, position_weighting="fixed-exp-decay", target_layer_ids=[1, 4, 6]
+    )
     assert AlgorithmConfig.from_dict(config.to_dict()) == config
     params = config.flat_params()
     assert params["algorithm"] == algorithm
@@ -20,8 +22,14 @@ def test_config_round_trips_through_dict(algorithm):
 def test_presets_are_the_published_defaults():
     dflash, dflash2 = AlgorithmConfig.preset("dflash"), AlgorithmConfig.preset("dflash2")
     assert (dflash.shared.block_size, dflash.shared.loss, dflash.shared.position_weighting) == (16, "ce", "dpace")
-    assert (dflash2.shared.block_size, dflash2.shared.loss, dflash2.shared.position_weighting) == (8, "kl_div", "fixed-exp-decay")
-    assert dflash2.knobs == DFlash2Knobs(conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16, selector_loss_alpha=1.0)
+    assert (dflash2.shared.block_size, dflash2.shared.loss, dflash2.shared.position_weighting) == (
+        8,
+        "kl_div",
+        "fixed-exp-decay",
+    )
+    assert dflash2.knobs == DFlash2Knobs(
+        conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16, selector_loss_alpha=1.0
+    )
     for config in (dflash, dflash2):
         assert config.shared.block_attention == "bidirectional"
         assert config.shared.num_draft_layers == 5 and config.shared.max_anchors == 512
@@ -38,7 +46,10 @@ def _build(algorithm, **overrides):
 
 
 def test_pruned_vocab_rejected_for_dflash2():
-    with pytest.raises(ValueError, match=r"draft_vocab_size=100.*DFlash2 requires the full verifier vocabulary \(draft=100, verifier=300\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"draft_vocab_size=100.*DFlash2 requires the full verifier vocabulary \(draft=100, verifier=300\)",
+    ):
         _build("dflash2", draft_vocab_size=100)
 
 

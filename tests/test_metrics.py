@@ -1,7 +1,7 @@
+from dataclasses import replace
+
 import pytest
 import torch
-
-from dataclasses import replace
 
 from algorithms.metrics import finalize, path_counts, pool, unary_counts
 from algorithms.unary_head import row_statistics
@@ -63,7 +63,10 @@ def test_pooling_divides_once():
 
 def test_table_one_arithmetic():
     """Blocks whose pooled conditional recalls are the blog's Table 1 give tau = 4.27 and 6.80."""
-    for recalls, tau in (([.854, .803, .794, .783, .775, .759, .729], 4.27), ([.995, .973, .948, .926, .908, .894, .878], 6.80)):
+    for recalls, tau in (
+        ([0.854, 0.803, 0.794, 0.783, 0.775, 0.759, 0.729], 4.27),
+        ([0.995, 0.973, 0.948, 0.926, 0.908, 0.894, 0.878], 6.80),
+    ):
         blocks = 100000
         alive_counts, product = [], 1.0
         for r in recalls:

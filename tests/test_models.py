@@ -53,7 +53,7 @@ def test_perturbing_one_block_leaves_every_other_block_unchanged(algorithm):
         assert torch.equal(after[i], base[i]), i
     # hidden states at or after anchor a_j (and any other document) never reach block j
     later = packed_row(doc_lengths=(20, 14))
-    later.features[positions[j]:] += 3.0
+    later.features[positions[j] :] += 3.0
     assert torch.equal(draft.forward_blocks(later, anchors).hidden.view(8, 4, -1)[j], base[j])
     doc_of_j = int(row.document_ids[positions[j]])
     other_doc = packed_row(doc_lengths=(20, 14))

@@ -39,8 +39,13 @@ def test_walk_equals_row_by_row_loop_and_stays_in_candidates():
         previous = int(anchors[n])
         for s in range(slots):
             scores = [
-                float(unary[n, s, c]) + float(
-                    (selector.predecessor_codebook[previous] * selector.hidden_projection(hidden[n, s]).detach() * selector.successor_codebook[c]).sum()
+                float(unary[n, s, c])
+                + float(
+                    (
+                        selector.predecessor_codebook[previous]
+                        * selector.hidden_projection(hidden[n, s]).detach()
+                        * selector.successor_codebook[c]
+                    ).sum()
                 )
                 for c in candidate_ids[n, s].tolist()
             ]
@@ -53,8 +58,14 @@ def test_walk_equals_row_by_row_loop_and_stays_in_candidates():
 def test_sampled_walk_records_realized_rows():
     selector = _selector()
     candidate_unary, candidate_ids = torch.randn(3, 2, 40).topk(4, dim=-1)
-    path = selector.walk(candidate_unary, candidate_ids, torch.randn(3, 2, 8), torch.tensor([1, 2, 3]), temperature=1.0,
-                         generator=torch.Generator().manual_seed(0))
+    path = selector.walk(
+        candidate_unary,
+        candidate_ids,
+        torch.randn(3, 2, 8),
+        torch.tensor([1, 2, 3]),
+        temperature=1.0,
+        generator=torch.Generator().manual_seed(0),
+    )
     assert path.probs.shape == (3, 2, 4)
     assert torch.allclose(path.probs.sum(-1), torch.ones(3, 2))
     assert all(int(path.tokens[n, s]) in candidate_ids[n, s].tolist() for n in range(3) for s in range(2))
@@ -67,10 +78,21 @@ def test_teacher_forced_scoring_equals_walk_while_path_is_correct(row):
     out = draft.forward_blocks(row, anchors)
     candidate_ids, candidate_logits = out.head.stats.candidate_ids, out.head.stats.candidate_logits
     predecessors = draft.teacher_predecessors(out.block_tokens)
-    teacher = candidate_ids.gather(-1, draft.candidate_selector.scores(candidate_logits, out.hidden, predecessors, candidate_ids).argmax(-1, keepdim=True)).squeeze(-1).view(-1, 4)
+    teacher = (
+        candidate_ids.gather(
+            -1,
+            draft.candidate_selector.scores(candidate_logits, out.hidden, predecessors, candidate_ids).argmax(
+                -1, keepdim=True
+            ),
+        )
+        .squeeze(-1)
+        .view(-1, 4)
+    )
     walk = draft.candidate_selector.walk(
-        candidate_logits.view(-1, 4, 4)[:, 1:], candidate_ids.view(-1, 4, 4)[:, 1:],
-        out.hidden.view(-1, 4, out.hidden.shape[-1])[:, 1:], out.block_tokens[:, 0],
+        candidate_logits.view(-1, 4, 4)[:, 1:],
+        candidate_ids.view(-1, 4, 4)[:, 1:],
+        out.hidden.view(-1, 4, out.hidden.shape[-1])[:, 1:],
+        out.block_tokens[:, 0],
     ).tokens
     tokens = out.block_tokens[:, 1:]
     for n in range(walk.shape[0]):
@@ -81,7 +103,16 @@ def test_teacher_forced_scoring_equals_walk_while_path_is_correct(row):
     # Force agreement on a whole block: feed the walk's own path as the dataset tokens.
     forced = out.block_tokens.clone()
     forced[:, 1:] = walk
-    forced_teacher = candidate_ids.gather(-1, draft.candidate_selector.scores(candidate_logits, out.hidden, draft.teacher_predecessors(forced), candidate_ids).argmax(-1, keepdim=True)).squeeze(-1).view(-1, 4)
+    forced_teacher = (
+        candidate_ids.gather(
+            -1,
+            draft.candidate_selector.scores(
+                candidate_logits, out.hidden, draft.teacher_predecessors(forced), candidate_ids
+            ).argmax(-1, keepdim=True),
+        )
+        .squeeze(-1)
+        .view(-1, 4)
+    )
     assert torch.equal(forced_teacher[:, 1:], walk)
 
 
@@ -91,7 +122,9 @@ def test_zero_selector_alpha_reproduces_unary_loss_exactly(row):
     assert float(off.loss.detach()) == float(off.counts["unary_loss"][0])
     on = tiny_draft("dflash2", selector_loss_alpha=1.0).training_forward(row, anchors)
     assert float(on.counts["unary_loss"][0]) == float(off.counts["unary_loss"][0])
-    assert float(on.loss.detach()) == pytest.approx(float(on.counts["unary_loss"][0] + on.counts["selector_loss"][0]), rel=1e-6)
+    assert float(on.loss.detach()) == pytest.approx(
+        float(on.counts["unary_loss"][0] + on.counts["selector_loss"][0]), rel=1e-6
+    )
 
 
 def test_selector_loss_injects_target_only_when_missing_and_metrics_ignore_it(row):
@@ -108,6 +141,8 @@ def test_selector_loss_injects_target_only_when_missing_and_metrics_ignore_it(ro
     mask = out.mask > 0
     recall = counts["unary_candidate_recall_at_4"]
     assert float(recall[0]) == float((present & mask).sum()) and float(recall[1]) == float(mask.sum())
-    assert float(counts["unary_candidate_target_mass_at_4"][0]) <= float(counts["unary_candidate_target_mass_injected_at_4"][0])
+    assert float(counts["unary_candidate_target_mass_at_4"][0]) <= float(
+        counts["unary_candidate_target_mass_injected_at_4"][0]
+    )
     # oracle stops at targets the original top-K missed, even though training injected them
     assert float(counts["oracle_accepted_length"][0]) < float(counts["oracle_accepted_length"][1]) * 4

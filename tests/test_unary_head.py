@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from algorithms import losses, unary_head as head_module
+from algorithms import losses
+from algorithms import unary_head as head_module
 from algorithms.unary_head import UnaryObjective, unary_head
 
 VOCAB, HIDDEN, BLOCK, BLOCKS, TOP_K = 97, 16, 4, 6, 5
@@ -37,7 +38,9 @@ def _reference(hidden, target_hidden, target_rows, mask, head_weight, objective)
     total = 0.0
     for name, weight in objective.loss_weights.items():
         per_position = losses.PER_POSITION_LOSSES[name](draft_logprobs, target_logprobs) * (mask > 0)
-        total = total + weight * losses.reduce_weighted(per_position, objective.weights(per_position.detach(), mask), mask)
+        total = total + weight * losses.reduce_weighted(
+            per_position, objective.weights(per_position.detach(), mask), mask
+        )
     return total, draft_logits, target_logprobs
 
 
@@ -51,33 +54,52 @@ def _reference(hidden, target_hidden, target_rows, mask, head_weight, objective)
         ({"jsd": 1.0, "rkl": 0.3, "nla": 0.2, "lk_hybrid": 0.7}, "fixed-exp-decay", True),
     ],
 )
-def test_loss_gradient_and_statistics_equal_dense_reference(monkeypatch, chunk_elements, loss_weights, weighting, sample_from_anchor):
+def test_loss_gradient_and_statistics_equal_dense_reference(
+    monkeypatch, chunk_elements, loss_weights, weighting, sample_from_anchor
+):
     monkeypatch.setattr(head_module, "CHUNK_ELEMENTS", chunk_elements)  # small: several chunks of whole blocks
     hidden, target_hidden, target_rows, mask, head_weight = _case(sample_from_anchor=sample_from_anchor)
-    objective = UnaryObjective(loss_weights, weighting, decay_gamma=4.0, dpace_alpha=0.5,
-                               sample_from_anchor=sample_from_anchor, block_size=BLOCK, top_k=TOP_K)
+    objective = UnaryObjective(
+        loss_weights,
+        weighting,
+        decay_gamma=4.0,
+        dpace_alpha=0.5,
+        sample_from_anchor=sample_from_anchor,
+        block_size=BLOCK,
+        top_k=TOP_K,
+    )
     candidate_grad = torch.randn(hidden.shape[0], TOP_K)
     target_token_grad = torch.randn(hidden.shape[0])
 
     ours_hidden = hidden.clone().requires_grad_(True)
     head = unary_head(ours_hidden, target_hidden, target_rows, mask, head_weight, _transform, objective)
     valid = mask > 0
-    (head.loss + (head.stats.candidate_logits * candidate_grad * valid[:, None]).sum()
-     + (head.stats.target_token_logits * target_token_grad * valid).sum()).backward()
+    (
+        head.loss
+        + (head.stats.candidate_logits * candidate_grad * valid[:, None]).sum()
+        + (head.stats.target_token_logits * target_token_grad * valid).sum()
+    ).backward()
 
     reference_hidden = hidden.clone().requires_grad_(True)
-    loss, draft_logits, target_logprobs = _reference(reference_hidden, target_hidden, target_rows, mask, head_weight, objective)
+    loss, draft_logits, target_logprobs = _reference(
+        reference_hidden, target_hidden, target_rows, mask, head_weight, objective
+    )
     candidate_logits, candidate_ids = draft_logits.topk(TOP_K, dim=-1)
     target_ids = target_logprobs.argmax(-1)
-    (loss + (candidate_logits * candidate_grad * valid[:, None]).sum()
-     + (draft_logits.gather(-1, target_ids[:, None]).squeeze(-1) * target_token_grad * valid).sum()).backward()
+    (
+        loss
+        + (candidate_logits * candidate_grad * valid[:, None]).sum()
+        + (draft_logits.gather(-1, target_ids[:, None]).squeeze(-1) * target_token_grad * valid).sum()
+    ).backward()
 
     assert float(head.loss.detach()) == pytest.approx(float(loss.detach()), rel=1e-5)
     assert torch.allclose(ours_hidden.grad, reference_hidden.grad, rtol=1e-4, atol=1e-6)
     assert torch.equal(head.stats.candidate_ids[valid], candidate_ids[valid])
     assert torch.equal(head.stats.target_ids[valid], target_ids[valid])
     assert torch.allclose(head.stats.target_candidate_logprobs[valid], target_logprobs.gather(-1, candidate_ids)[valid])
-    assert torch.allclose(head.stats.overlap[valid], losses.overlap(draft_logits.log_softmax(-1), target_logprobs)[valid])
+    assert torch.allclose(
+        head.stats.overlap[valid], losses.overlap(draft_logits.log_softmax(-1), target_logprobs)[valid]
+    )
     assert (head.stats.candidate_logits[~valid] == 0).all()  # unsupervised rows never reach the head
 
 
@@ -85,7 +107,9 @@ def test_no_gradient_work_under_no_grad():
     hidden, target_hidden, target_rows, mask, head_weight = _case()
     objective = UnaryObjective({"kl_div": 1.0}, "fixed-exp-decay", 4.0, 0.5, False, BLOCK, TOP_K)
     with torch.no_grad():
-        head = unary_head(hidden.requires_grad_(True), target_hidden, target_rows, mask, head_weight, _transform, objective)
+        head = unary_head(
+            hidden.requires_grad_(True), target_hidden, target_rows, mask, head_weight, _transform, objective
+        )
     assert not head.loss.requires_grad and not head.stats.candidate_logits.requires_grad
 
 
@@ -98,7 +122,9 @@ def test_bf16_autocast_head_gradient_within_two_percent_of_fp64():
         head = unary_head(ours_hidden, target_hidden, target_rows, mask, head_weight, _transform, objective)
     head.loss.backward()
     reference_hidden = hidden.double().requires_grad_(True)
-    loss, _, _ = _reference(reference_hidden, target_hidden.double(), target_rows, mask.double(), head_weight.double(), objective)
+    loss, _, _ = _reference(
+        reference_hidden, target_hidden.double(), target_rows, mask.double(), head_weight.double(), objective
+    )
     loss.backward()
     relative = (ours_hidden.grad.double() - reference_hidden.grad).norm() / reference_hidden.grad.norm()
     assert float(relative) < 0.02
