@@ -1,15 +1,19 @@
 """Pure-torch DFlash-family draft algorithms: models, losses and metrics (no I/O)."""
 
-from algorithms.knobs import AlgorithmConfig, DFlash2Knobs, DFlashKnobs, SharedKnobs
+from algorithms.knobs import ConvKnobs, DFlash2Knobs, DFlashKnobs, SelectorKnobs, SharedKnobs
 from algorithms.modeling import TargetSpec
-from algorithms.registry import DRAFT_CLASSES, build_draft
+from algorithms.registry import ALGORITHMS, Algorithm, AlgorithmConfig, algorithm_entry, build_draft
 
 __all__ = [
+    "ALGORITHMS",
+    "Algorithm",
     "AlgorithmConfig",
+    "ConvKnobs",
     "DFlash2Knobs",
     "DFlashKnobs",
+    "SelectorKnobs",
     "SharedKnobs",
     "TargetSpec",
-    "DRAFT_CLASSES",
+    "algorithm_entry",
     "build_draft",
 ]

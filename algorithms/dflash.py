@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,7 +17,6 @@ from algorithms.blocks import (
     block_indices,
     target_indices,
 )
-from algorithms.knobs import AlgorithmConfig
 from algorithms.metrics import MetricCounts, path_counts, pool, scalar_counts, unary_counts
 from algorithms.modeling import DraftBackbone, DraftConfig
 from algorithms.unary_head import UnaryHead, UnaryObjective, unary_head
@@ -24,6 +24,9 @@ from algorithms.unary_head import UnaryHead, UnaryObjective, unary_head
 # Queries per block-sparse attention tile: small enough to skip most of the dense mask, large enough
 # that per-tile overhead stays negligible.
 ATTENTION_TILE_QUERIES = 128
+
+if TYPE_CHECKING:
+    from algorithms.registry import AlgorithmConfig
 
 
 @dataclass
@@ -69,10 +72,10 @@ class DFlashDraft(DraftBackbone):
 
     @property
     def candidate_top_k(self) -> int:
-        return self.algorithm.knobs.candidate_top_k
+        return self.shared.candidate_top_k
 
     @property
-    def objective(self) -> UnaryObjective:
+    def unary_objective(self) -> UnaryObjective:
         shared = self.shared
         return UnaryObjective(
             loss_weights=shared.loss_weights,
@@ -109,17 +112,17 @@ class DFlashDraft(DraftBackbone):
             loss_mask,
             self.head_weight,
             self.logit_transform,
-            self.objective,
+            self.unary_objective,
         )
         return BlockForward(hidden=hidden, head=head, mask=loss_mask, block_tokens=row.input_ids[flat].view(-1, size))
 
     def weighted_loss(self, per_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Reduce one per-position term with the configured position weighting (spec §5.2-5.5)."""
-        return losses.reduce_weighted(per_position, self.objective.weights(per_position, mask), mask)
+        return losses.reduce_weighted(per_position, self.unary_objective.weights(per_position, mask), mask)
 
     def training_forward(self, row: PackedRow, anchors: Anchors) -> StepOutput:
         out = self.forward_blocks(row, anchors)
-        loss, counts = self.extra_objective(out)
+        loss, counts = self.objective(out)
         scalars = {"loss": loss, "unary_loss": out.head.loss}
         if len(out.head.terms) > 1:
             scalars.update({f"{name}_loss": value for name, value in out.head.terms.items()})
@@ -127,7 +130,13 @@ class DFlashDraft(DraftBackbone):
         pool(counts, unary_counts(out.head.stats, out.mask, self.block_size, self.shared.first_draft_slot))
         return StepOutput(loss, counts)
 
-    def extra_objective(self, out: BlockForward) -> tuple[torch.Tensor, MetricCounts]:
+    def export_fields(self) -> dict[str, int | None]:
+        """Algorithm fields of the exported config, under the peers' names (conv fields when the layers have one)."""
+        if self.config.conv_kernel_size is None:
+            return {}
+        return {"conv_kernel_size": self.config.conv_kernel_size, "conv_group_size": self.config.conv_group_size}
+
+    def objective(self, out: BlockForward) -> tuple[torch.Tensor, MetricCounts]:
         """DFlash's loss is the unary loss; its realized path is the unary argmax path."""
         first = self.shared.first_draft_slot
         blocks = lambda x: x.view(-1, self.block_size)[:, first:]  # noqa: E731

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from algorithms import losses
 from algorithms.dflash import BlockForward, DFlashDraft, Proposal
-from algorithms.knobs import AlgorithmConfig, DFlash2Knobs
+from algorithms.knobs import SelectorKnobs
 from algorithms.metrics import MetricCounts, pool, scalar_counts, selector_counts
 from algorithms.modeling import DraftConfig
 from algorithms.selector import CandidateSelector
+
+if TYPE_CHECKING:
+    from algorithms.registry import AlgorithmConfig
 
 
 def inject_target(
@@ -35,11 +40,13 @@ def replace_weakest(values: torch.Tensor, replacement: torch.Tensor, present: to
 
 
 class DFlash2Draft(DFlashDraft):
+    """A draft with the candidate selector and the split objective; DFlash2 when its layers also have convs."""
+
     def __init__(
         self, config: DraftConfig, algorithm: AlgorithmConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor
     ) -> None:
         super().__init__(config, algorithm, embed_weight, head_weight)
-        knobs: DFlash2Knobs = algorithm.knobs
+        knobs: SelectorKnobs = algorithm.knobs
         self.knobs = knobs
         self.candidate_selector = CandidateSelector(
             config.target.vocab_size, config.hidden_size, knobs.selector_rank, knobs.selector_init
@@ -47,14 +54,20 @@ class DFlash2Draft(DFlashDraft):
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
-        if hasattr(self, "candidate_selector"):
-            self.candidate_selector.reset_parameters()
+        self.candidate_selector.reset_parameters()
+
+    def export_fields(self) -> dict[str, int | None]:
+        return {
+            **super().export_fields(),
+            "selector_rank": self.knobs.selector_rank,
+            "selector_top_k": self.candidate_top_k,
+        }
 
     def teacher_predecessors(self, block_tokens: torch.Tensor) -> torch.Tensor:
         """p_k = x_{a+k-1}, the dataset token; slot 0 reuses the anchor. [2,3,4,5] -> [2,2,3,4]."""
         return torch.cat([block_tokens[:, :1], block_tokens[:, :-1]], dim=1).reshape(-1)
 
-    def extra_objective(self, out: BlockForward) -> tuple[torch.Tensor, MetricCounts]:
+    def objective(self, out: BlockForward) -> tuple[torch.Tensor, MetricCounts]:
         """L = L_unary + alpha_sel * L_sel, with L_sel a K-way CE over the (injected) unary top-K."""
         stats, selector = out.head.stats, self.candidate_selector
         first, size, top_k = self.shared.first_draft_slot, self.block_size, self.candidate_top_k

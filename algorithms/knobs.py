@@ -1,16 +1,18 @@
 """Every knob of a draft algorithm: one dataclass per scope, validated with clear errors.
 
-`SharedKnobs` holds what DFlash and DFlash2 share, so a comparison can pin it once.
-Each algorithm adds its own knobs dataclass. `AlgorithmConfig` bundles both and
-round-trips through plain dicts so the harness can log and rebuild any run.
+`SharedKnobs` holds what every algorithm shares, so a comparison can pin it once. The conv and the
+selector each add a knobs dataclass; an algorithm's knobs combine the components it uses. Each field
+carries its help text (and, where it differs from the field name, the speculators flag), so the CLI,
+the study files and the MLflow params are all generated from these dataclasses.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 LOSS_NAMES = ("kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid")
 POSITION_WEIGHTINGS = ("fixed-exp-decay", "dpace")
@@ -21,6 +23,25 @@ SELECTOR_INITS = ("zero_successor", "normal")
 def knob_error(knob: str, value: Any, allowed: str) -> ValueError:
     """The one error shape for a bad knob: its name, its value and what is allowed."""
     return ValueError(f"invalid knob {knob}={value!r}: allowed {allowed}")
+
+
+def knob(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None) -> Any:
+    """A dataclass field that documents itself: help text, CLI flag and allowed values."""
+    metadata = {"help": help, "flag": flag, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def check_section(section: Any) -> None:
+    """Checks every knob dataclass shares: choices hold, and no float knob is NaN or infinite."""
+    for item in dataclasses.fields(section):
+        value = getattr(section, item.name)
+        choices = item.metadata.get("choices")
+        if choices and value not in choices:
+            raise knob_error(item.name, value, f"one of {list(choices)}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise knob_error(item.name, value, "a finite number")
 
 
 def parse_loss_spec(loss: str | dict[str, float]) -> dict[str, float]:
@@ -38,33 +59,38 @@ def parse_loss_spec(loss: str | dict[str, float]) -> dict[str, float]:
     for name, weight in loss.items():
         if name not in LOSS_NAMES:
             raise knob_error("loss", name, f"terms from {list(LOSS_NAMES)}")
-        if not isinstance(weight, (int, float)) or isinstance(weight, bool):
-            raise knob_error(f"loss[{name}]", weight, "a number")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight):
+            raise knob_error(f"loss[{name}]", weight, "a finite number")
         weights[name] = float(weight)
     return weights
 
 
 @dataclass
 class SharedKnobs:
-    """Knobs that affect DFlash and DFlash2 alike; pin them identically when comparing."""
+    """Knobs that affect every algorithm alike; pin them identically when comparing."""
 
-    # shape
-    block_size: int = 8
-    num_draft_layers: int = 5
-    # speculators aux ids: hidden_states[i] of the target; None -> [2, n//2, n-3]
-    target_layer_ids: list[int] | None = None
-    # prediction
-    sample_from_anchor: bool = False
-    block_attention: str = "bidirectional"
-    mask_token_id: int | None = None
-    # loss
-    loss: str | dict[str, float] = "kl_div"
-    position_weighting: str = "fixed-exp-decay"
-    decay_gamma: float = 4.0
-    dpace_alpha: float = 0.5
-    max_anchors: int = 512
-    sliding_window: int = 2048
-    draft_vocab_size: int | None = None  # None: the full verifier vocabulary
+    block_size: int = knob(8, "tokens per draft block, the anchor included")
+    num_draft_layers: int = knob(5, "draft decoder layers", flag="--num-layers")
+    target_layer_ids: list[int] | None = knob(
+        None, "target hidden_states indices fed to the draft (speculators aux ids); none: [2, n//2, n-3]"
+    )
+    sample_from_anchor: bool = knob(False, "predict from the anchor slot too (DSpark style; no selector)")
+    block_attention: str = knob("bidirectional", "attention inside a block", choices=BLOCK_ATTENTIONS)
+    mask_token_id: int | None = knob(None, "token id filling the draft slots; none: chosen from the target")
+    loss: str | dict[str, float] = knob(
+        "kl_div", f"unary loss: one of {list(LOSS_NAMES)} or a JSON dict of weights", flag="--loss-fn"
+    )
+    position_weighting: str = knob(
+        "fixed-exp-decay", "per-slot loss weights", flag="--per-position-loss-weight", choices=POSITION_WEIGHTINGS
+    )
+    decay_gamma: float = knob(4.0, "fixed-exp-decay gamma", flag="--dflash-decay-gamma")
+    dpace_alpha: float = knob(0.5, "D-PACE alpha")
+    max_anchors: int = knob(512, "anchored blocks sampled per packed row")
+    sliding_window: int = knob(2048, "context positions a block may attend to")
+    draft_vocab_size: int | None = knob(None, "none: the full verifier vocabulary")
+    candidate_top_k: int = knob(
+        16, "K of the unary candidate set: the selector's candidates, recall@K and the oracle path"
+    )
 
     @property
     def loss_weights(self) -> dict[str, float]:
@@ -76,14 +102,12 @@ class SharedKnobs:
         return 0 if self.sample_from_anchor else 1
 
     def validate(self) -> None:
+        check_section(self)
+        for name in ("num_draft_layers", "max_anchors", "sliding_window", "candidate_top_k"):
+            if getattr(self, name) < 1:
+                raise knob_error(name, getattr(self, name), "an integer >= 1")
         if self.block_size < 2:
             raise knob_error("block_size", self.block_size, "an integer >= 2")
-        if self.num_draft_layers < 1:
-            raise knob_error("num_draft_layers", self.num_draft_layers, "an integer >= 1")
-        if self.block_attention not in BLOCK_ATTENTIONS:
-            raise knob_error("block_attention", self.block_attention, f"one of {list(BLOCK_ATTENTIONS)}")
-        if self.position_weighting not in POSITION_WEIGHTINGS:
-            raise knob_error("position_weighting", self.position_weighting, f"one of {list(POSITION_WEIGHTINGS)}")
         weights = self.loss_weights
         if self.position_weighting == "dpace" and list(weights) != ["ce"]:
             raise knob_error(
@@ -93,10 +117,6 @@ class SharedKnobs:
             raise knob_error("decay_gamma", self.decay_gamma, "a number > 0")
         if not 0 < self.dpace_alpha <= 1:
             raise knob_error("dpace_alpha", self.dpace_alpha, "a number in (0, 1]")
-        if self.max_anchors < 1:
-            raise knob_error("max_anchors", self.max_anchors, "an integer >= 1")
-        if self.sliding_window < 1:
-            raise knob_error("sliding_window", self.sliding_window, "an integer >= 1")
         if self.target_layer_ids is not None:
             ids = list(self.target_layer_ids)
             if not ids or ids != sorted(set(ids)):
@@ -118,122 +138,78 @@ class SharedKnobs:
 
 @dataclass
 class DFlashKnobs:
-    """DFlash adds no model knobs; `metrics_top_k` only sets K for recall@K and the oracle path."""
+    """Plain DFlash adds no knobs of its own."""
 
-    metrics_top_k: int = 16
+    TUNED: ClassVar[tuple[str, ...]] = ()
 
     def validate(self, shared: SharedKnobs) -> None:
-        if self.metrics_top_k < 1:
-            raise knob_error("metrics_top_k", self.metrics_top_k, "an integer >= 1")
-
-    @property
-    def candidate_top_k(self) -> int:
-        return self.metrics_top_k
+        check_section(self)
 
 
 @dataclass
-class DFlash2Knobs:
-    """Local dynamic grouped causal conv + low-rank candidate selector (spec §4)."""
+class ConvKnobs(DFlashKnobs):
+    """The local dynamic grouped causal conv around each attention and MLP sublayer."""
 
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_rank: int = 256
-    selector_top_k: int = 16
-    selector_loss_alpha: float = 1.0
-    selector_init: str = "zero_successor"
+    TUNED: ClassVar[tuple[str, ...]] = ("conv_kernel_size", "conv_group_size")
+
+    conv_kernel_size: int = knob(2, "conv taps over earlier slots of the same block (1: the slot itself)")
+    conv_group_size: int = knob(16, "channels sharing one dynamic tap; must divide the hidden size")
 
     def validate(self, shared: SharedKnobs) -> None:
-        if shared.sample_from_anchor:
-            raise knob_error("sample_from_anchor", True, "False for dflash2 (the served block starts at the anchor)")
+        super().validate(shared)
         if not 1 <= self.conv_kernel_size <= shared.block_size:
             raise knob_error(
                 "conv_kernel_size", self.conv_kernel_size, f"an integer in [1, block_size={shared.block_size}]"
             )
         if self.conv_group_size < 1:
             raise knob_error("conv_group_size", self.conv_group_size, "an integer >= 1 that divides the hidden size")
-        if self.selector_rank < 1:
-            raise knob_error("selector_rank", self.selector_rank, "an integer >= 1")
-        if self.selector_top_k < 1:
-            raise knob_error("selector_top_k", self.selector_top_k, "an integer in [1, vocab_size]")
-        if self.selector_loss_alpha < 0:
-            raise knob_error("selector_loss_alpha", self.selector_loss_alpha, "a number >= 0")
-        if self.selector_init not in SELECTOR_INITS:
-            raise knob_error("selector_init", self.selector_init, f"one of {list(SELECTOR_INITS)}")
-
-    @property
-    def candidate_top_k(self) -> int:
-        return self.selector_top_k
-
-
-ALGORITHM_KNOBS: dict[str, type] = {"dflash": DFlashKnobs, "dflash2": DFlash2Knobs}
-
-
-def preset_shared_knobs(algorithm: str) -> SharedKnobs:
-    """Published defaults (spec §7): the shared knobs differ per algorithm, and are recorded."""
-    if algorithm == "dflash":
-        return SharedKnobs(block_size=16, loss="ce", position_weighting="dpace")
-    if algorithm == "dflash2":
-        return SharedKnobs(block_size=8, loss="kl_div", position_weighting="fixed-exp-decay")
-    raise knob_error("algorithm", algorithm, f"one of {sorted(ALGORITHM_KNOBS)}")
 
 
 @dataclass
-class AlgorithmConfig:
-    """An algorithm name with its shared and algorithm-specific knobs."""
+class SelectorKnobs(DFlashKnobs):
+    """The low-rank candidate selector and its share of the split objective."""
 
-    algorithm: str
-    shared: SharedKnobs = field(default_factory=SharedKnobs)
-    knobs: DFlashKnobs | DFlash2Knobs = field(default_factory=DFlashKnobs)
+    TUNED: ClassVar[tuple[str, ...]] = ("selector_rank", "candidate_top_k", "selector_loss_alpha")
 
-    @classmethod
-    def preset(cls, algorithm: str, **overrides: Any) -> AlgorithmConfig:
-        """The algorithm's published defaults, with flat overrides (shared or algorithm knobs)."""
-        config = cls(algorithm, preset_shared_knobs(algorithm), ALGORITHM_KNOBS[algorithm]())
-        return config.replace(**overrides)
+    selector_rank: int = knob(256, "rank R of the predecessor x successor transition")
+    selector_loss_alpha: float = knob(1.0, "weight of the selector K-way cross-entropy in the loss")
+    selector_init: str = knob("zero_successor", "zero_successor starts as a no-op selector", choices=SELECTOR_INITS)
 
-    def replace(self, **overrides: Any) -> AlgorithmConfig:
-        """A copy with flat knob overrides; an unknown name is an error, not a silent no-op."""
-        shared_names = {f.name for f in dataclasses.fields(SharedKnobs)}
-        algo_names = {f.name for f in dataclasses.fields(type(self.knobs))}
-        unknown = set(overrides) - shared_names - algo_names
-        if unknown:
+    def validate(self, shared: SharedKnobs) -> None:
+        super().validate(shared)
+        if shared.sample_from_anchor:
             raise knob_error(
-                "knob",
-                sorted(unknown)[0],
-                f"a knob of {self.algorithm}: {sorted(shared_names | algo_names)}",
+                "sample_from_anchor", True, "False with a selector (the served block starts at the anchor)"
             )
-        shared = dataclasses.replace(self.shared, **{k: v for k, v in overrides.items() if k in shared_names})
-        knobs = dataclasses.replace(self.knobs, **{k: v for k, v in overrides.items() if k in algo_names})
-        return AlgorithmConfig(self.algorithm, shared, knobs)
+        if self.selector_rank < 1:
+            raise knob_error("selector_rank", self.selector_rank, "an integer >= 1")
+        if self.selector_loss_alpha < 0:
+            raise knob_error("selector_loss_alpha", self.selector_loss_alpha, "a number >= 0")
 
-    def validate(self) -> None:
-        if self.algorithm not in ALGORITHM_KNOBS:
-            raise knob_error("algorithm", self.algorithm, f"one of {sorted(ALGORITHM_KNOBS)}")
-        if not isinstance(self.knobs, ALGORITHM_KNOBS[self.algorithm]):
-            raise knob_error("knobs", type(self.knobs).__name__, ALGORITHM_KNOBS[self.algorithm].__name__)
-        self.shared.validate()
-        self.knobs.validate(self.shared)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "algorithm": self.algorithm,
-            "shared": dataclasses.asdict(self.shared),
-            "knobs": dataclasses.asdict(self.knobs),
-        }
+@dataclass
+class DFlash2Knobs(SelectorKnobs, ConvKnobs):
+    """Conv + selector: the whole of DFlash2."""
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AlgorithmConfig:
-        algorithm = data["algorithm"]
-        if algorithm not in ALGORITHM_KNOBS:
-            raise knob_error("algorithm", algorithm, f"one of {sorted(ALGORITHM_KNOBS)}")
-        return cls(
-            algorithm, SharedKnobs(**data.get("shared", {})), ALGORITHM_KNOBS[algorithm](**data.get("knobs", {}))
-        )
+    TUNED: ClassVar[tuple[str, ...]] = ConvKnobs.TUNED + SelectorKnobs.TUNED
 
-    def flat_params(self) -> dict[str, Any]:
-        """Flattened `shared.*` / `algo.*` names, as logged to MLflow."""
-        params: dict[str, Any] = {"algorithm": self.algorithm}
-        for prefix, section in (("shared", self.shared), ("algo", self.knobs)):
-            for name, value in dataclasses.asdict(section).items():
-                params[f"{prefix}.{name}"] = json.dumps(value) if isinstance(value, (list, dict)) else value
-        return params
+
+def flat_section(prefix: str, section: Any) -> dict[str, Any]:
+    """`prefix.name` -> value for one knob dataclass, lists and dicts as JSON (as MLflow logs them)."""
+    return {
+        f"{prefix}.{name}": json.dumps(value) if isinstance(value, (list, dict)) else value
+        for name, value in dataclasses.asdict(section).items()
+    }
+
+
+def knob_names(section_type: type) -> set[str]:
+    return {item.name for item in dataclasses.fields(section_type)}
+
+
+def build_section(section_type: type, values: dict[str, Any], prefix: str) -> Any:
+    """A knob dataclass from a mapping; an unknown key is an error naming the allowed ones."""
+    unknown = sorted(set(values) - knob_names(section_type))
+    if unknown:
+        allowed = sorted(knob_names(section_type))
+        raise knob_error(f"{prefix}.{unknown[0]}", values[unknown[0]], f"knobs {allowed}")
+    return section_type(**values)

@@ -204,9 +204,13 @@ class DraftBackbone(nn.Module):
         # Frozen verifier tensors: buffers, so they never reach an optimizer or a checkpoint.
         self.register_buffer("embed_weight", embed_weight.detach().float().clone(), persistent=False)
         self.register_buffer("head_weight", head_weight.detach().float().clone(), persistent=False)
-        self.reset_parameters()
+        # Not the overridable reset_parameters: subclasses add modules after this constructor returns.
+        self._init_backbone()
 
     def reset_parameters(self) -> None:
+        self._init_backbone()
+
+    def _init_backbone(self) -> None:
         std = 0.02
         for module in self.modules():
             if isinstance(module, nn.Linear):

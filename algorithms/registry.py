@@ -1,43 +1,207 @@
-"""Name -> draft algorithm, and the one way to build a draft for a target."""
+"""The algorithm table: each entry names a draft class, its knobs, its published shared defaults and
+its export format. Everything above `algorithms/` asks this table instead of branching on a name.
+
+The four entries are the component ablation of the DFlash2 write-up: DFlash, DFlash + conv,
+DFlash + selector (with the split objective), and DFlash2 = both.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from algorithms.dflash import DFlashDraft
 from algorithms.dflash2 import DFlash2Draft
-from algorithms.knobs import AlgorithmConfig, DFlash2Knobs, knob_error
+from algorithms.knobs import (
+    ConvKnobs,
+    DFlash2Knobs,
+    DFlashKnobs,
+    SelectorKnobs,
+    SharedKnobs,
+    build_section,
+    flat_section,
+    knob_error,
+    knob_names,
+)
 from algorithms.modeling import DraftConfig, TargetSpec
 
-DRAFT_CLASSES: dict[str, type[DFlashDraft]] = {"dflash": DFlashDraft, "dflash2": DFlash2Draft}
+# Published shared defaults: DFlash trains blocks of 16 with CE + D-PACE, DFlash2 blocks of 8 with KL
+# and a fixed exponential decay. The component variants are DFlash2 with a part removed, so they
+# start from DFlash2's.
+DFLASH_SHARED = {"block_size": 16, "loss": "ce", "position_weighting": "dpace"}
+DFLASH2_SHARED = {"block_size": 8, "loss": "kl_div", "position_weighting": "fixed-exp-decay"}
+
+
+@dataclass(frozen=True)
+class PeerFormat:
+    """How Z Lab dflash, speculators and vLLM name this algorithm in a checkpoint config."""
+
+    model_type: str  # speculators_model_type
+    architecture: str  # config.json `architectures`
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One registered draft algorithm."""
+
+    name: str
+    draft_class: type[DFlashDraft]
+    knobs_class: type[DFlashKnobs]
+    published_shared: dict[str, Any]
+    description: str
+    # The peer format an export is written in; None: no peer can load this variant.
+    export_format: PeerFormat | None
+
+    @property
+    def has_conv(self) -> bool:
+        return issubclass(self.knobs_class, ConvKnobs)
+
+    @property
+    def has_selector(self) -> bool:
+        return issubclass(self.knobs_class, SelectorKnobs)
+
+    @property
+    def tuned_knobs(self) -> tuple[str, ...]:
+        """Knobs a study may sweep for this algorithm."""
+        return self.knobs_class.TUNED
+
+
+ALGORITHMS: dict[str, Algorithm] = {
+    entry.name: entry
+    for entry in (
+        Algorithm(
+            "dflash",
+            DFlashDraft,
+            DFlashKnobs,
+            DFLASH_SHARED,
+            "DFlash: unary parallel drafting",
+            PeerFormat("dflash", "DFlashDraftModel"),
+        ),
+        Algorithm(
+            "dflash+conv", DFlashDraft, ConvKnobs, DFLASH2_SHARED, "DFlash + grouped dynamic conv, unary decoding", None
+        ),
+        Algorithm(
+            "dflash+selector",
+            DFlash2Draft,
+            SelectorKnobs,
+            DFLASH2_SHARED,
+            "DFlash + candidate selector and split objective, no conv",
+            None,
+        ),
+        Algorithm(
+            "dflash2",
+            DFlash2Draft,
+            DFlash2Knobs,
+            DFLASH2_SHARED,
+            "DFlash2: conv + selector",
+            PeerFormat("dflash2", "DFlash2DraftModel"),
+        ),
+    )
+}
+
+
+# The algorithm every other one extends: the baseline that component gains are measured against.
+REFERENCE_ALGORITHM = "dflash"
+
+
+def algorithm_entry(name: str) -> Algorithm:
+    if name not in ALGORITHMS:
+        raise knob_error("algorithm", name, f"one of {list(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+@dataclass
+class AlgorithmConfig:
+    """An algorithm name with its shared and algorithm-specific knobs."""
+
+    algorithm: str
+    shared: SharedKnobs = field(default_factory=SharedKnobs)
+    knobs: DFlashKnobs = field(default_factory=DFlashKnobs)
+
+    @property
+    def entry(self) -> Algorithm:
+        return algorithm_entry(self.algorithm)
+
+    @classmethod
+    def preset(cls, algorithm: str, **overrides: Any) -> AlgorithmConfig:
+        """The algorithm's published defaults, with flat overrides (shared or algorithm knobs)."""
+        entry = algorithm_entry(algorithm)
+        config = cls(algorithm, SharedKnobs(**entry.published_shared), entry.knobs_class())
+        return config.replace(**overrides)
+
+    def knob_names(self) -> set[str]:
+        """Every flat knob name this algorithm accepts."""
+        return knob_names(SharedKnobs) | knob_names(type(self.knobs))
+
+    def replace(self, **overrides: Any) -> AlgorithmConfig:
+        """A copy with flat knob overrides; an unknown name is an error, not a silent no-op."""
+        shared_names, algo_names = knob_names(SharedKnobs), knob_names(type(self.knobs))
+        unknown = set(overrides) - shared_names - algo_names
+        if unknown:
+            raise knob_error(
+                "knob", sorted(unknown)[0], f"a knob of {self.algorithm}: {sorted(shared_names | algo_names)}"
+            )
+        shared = dataclasses.replace(self.shared, **{k: v for k, v in overrides.items() if k in shared_names})
+        knobs = dataclasses.replace(self.knobs, **{k: v for k, v in overrides.items() if k in algo_names})
+        return AlgorithmConfig(self.algorithm, shared, knobs)
+
+    def with_algorithm(self, algorithm: str) -> AlgorithmConfig:
+        """Another algorithm with the same shared knobs, and these knobs wherever it has them."""
+        knobs_class = algorithm_entry(algorithm).knobs_class
+        own = dataclasses.asdict(self.knobs)
+        return AlgorithmConfig(
+            algorithm,
+            dataclasses.replace(self.shared),
+            knobs_class(**{k: v for k, v in own.items() if k in knob_names(knobs_class)}),
+        )
+
+    def validate(self) -> None:
+        knobs_class = self.entry.knobs_class
+        if type(self.knobs) is not knobs_class:
+            raise knob_error("knobs", type(self.knobs).__name__, knobs_class.__name__)
+        self.shared.validate()
+        self.knobs.validate(self.shared)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "algorithm": self.algorithm,
+            "shared": dataclasses.asdict(self.shared),
+            "knobs": dataclasses.asdict(self.knobs),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> AlgorithmConfig:
+        entry = algorithm_entry(data["algorithm"])
+        shared = build_section(SharedKnobs, data.get("shared", {}), "shared")
+        return cls(entry.name, shared, build_section(entry.knobs_class, data.get("knobs", {}), "knobs"))
+
+    def flat_params(self) -> dict[str, Any]:
+        """Flattened `shared.*` / `algo.*` names, as logged to MLflow."""
+        return {"algorithm": self.algorithm, **flat_section("shared", self.shared), **flat_section("algo", self.knobs)}
 
 
 def draft_config(config: AlgorithmConfig, target: TargetSpec) -> DraftConfig:
     """Validate the knobs against the target and resolve the draft decoder config."""
     config.validate()
-    shared = config.shared
+    shared, entry = config.shared, config.entry
     if shared.draft_vocab_size is not None and shared.draft_vocab_size != target.vocab_size:
-        if config.algorithm == "dflash2":
-            raise ValueError(
-                f"invalid knob draft_vocab_size={shared.draft_vocab_size!r}: DFlash2 requires the full verifier "
-                f"vocabulary (draft={shared.draft_vocab_size}, verifier={target.vocab_size}): serving selects "
-                "candidates before any draft->target id mapping."
+        allowed = f"None or the verifier vocab {target.vocab_size} (pruned vocabularies are not supported)"
+        if entry.has_selector:
+            allowed = (
+                f"the full verifier vocabulary {target.vocab_size}: a selector picks candidates "
+                "before any draft->target id mapping"
             )
+        raise knob_error("draft_vocab_size", shared.draft_vocab_size, allowed)
+    if shared.candidate_top_k > target.vocab_size:
         raise knob_error(
-            "draft_vocab_size",
-            shared.draft_vocab_size,
-            f"None or the verifier vocab {target.vocab_size} (pruned vocabularies are not supported)",
+            "candidate_top_k", shared.candidate_top_k, f"an integer in [1, vocab_size={target.vocab_size}]"
         )
-    top_k = config.knobs.candidate_top_k
-    if top_k > target.vocab_size:
-        name = "selector_top_k" if config.algorithm == "dflash2" else "metrics_top_k"
-        raise knob_error(name, top_k, f"an integer in [1, vocab_size={target.vocab_size}]")
     if shared.mask_token_id is None:
-        raise knob_error(
-            "mask_token_id", None, f"an existing token id in [0, {target.vocab_size}) (no vocabulary resize)"
-        )
-    knobs = config.knobs
-    is_dflash2 = isinstance(knobs, DFlash2Knobs)
+        raise knob_error("mask_token_id", None, f"an existing token id in [0, {target.vocab_size}) (no vocab resize)")
+    conv: ConvKnobs | None = config.knobs if entry.has_conv else None
     resolved = DraftConfig(
         target=target,
         num_layers=shared.num_draft_layers,
@@ -46,8 +210,8 @@ def draft_config(config: AlgorithmConfig, target: TargetSpec) -> DraftConfig:
         mask_token_id=shared.mask_token_id,
         causal_blocks=shared.block_attention == "causal",
         sliding_window=shared.sliding_window,
-        conv_kernel_size=knobs.conv_kernel_size if is_dflash2 else None,
-        conv_group_size=knobs.conv_group_size if is_dflash2 else None,
+        conv_kernel_size=conv.conv_kernel_size if conv else None,
+        conv_group_size=conv.conv_group_size if conv else None,
     )
     resolved.validate()
     return resolved
@@ -57,4 +221,4 @@ def build_draft(
     config: AlgorithmConfig, target: TargetSpec, embed_weight: torch.Tensor, head_weight: torch.Tensor
 ) -> DFlashDraft:
     """A freshly initialised draft of `config.algorithm` for the given target and frozen tensors."""
-    return DRAFT_CLASSES[config.algorithm](draft_config(config, target), config, embed_weight, head_weight)
+    return config.entry.draft_class(draft_config(config, target), config, embed_weight, head_weight)

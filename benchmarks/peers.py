@@ -11,6 +11,11 @@ from algorithms.blocks import Anchors, PackedRow
 from algorithms.dflash import DFlashDraft
 
 
+def peer_model_type(ours) -> str:
+    """The speculators model type our draft maps to (only algorithms with a peer format have one)."""
+    return ours.algorithm.entry.export_format.model_type
+
+
 def speculators_draft(ours: DFlashDraft, attention: str = "sdpa"):
     """A speculators model with identical shapes, knobs and weights (frozen tensors included)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
@@ -52,7 +57,7 @@ def speculators_draft(ours: DFlashDraft, attention: str = "sdpa"):
             verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"]),
         ),
     )
-    if ours.algorithm.algorithm == "dflash2":
+    if peer_model_type(ours) == "dflash2":
         knobs = ours.algorithm.knobs
         theirs = DFlash2DraftModel(
             DFlash2SpeculatorConfig(
@@ -60,7 +65,7 @@ def speculators_draft(ours: DFlashDraft, attention: str = "sdpa"):
                 conv_kernel_size=knobs.conv_kernel_size,
                 conv_group_size=knobs.conv_group_size,
                 selector_rank=knobs.selector_rank,
-                selector_top_k=knobs.selector_top_k,
+                selector_top_k=ours.shared.candidate_top_k,
             )
         )
     else:
@@ -112,7 +117,7 @@ def speculators_train_kwargs(ours: DFlashDraft, losses: str = "eager") -> dict:
         per_position_loss_weight=shared.position_weighting,
         dpace_alpha=shared.dpace_alpha,
     )
-    if ours.algorithm.algorithm == "dflash2":
+    if peer_model_type(ours) == "dflash2":
         kwargs.update(
             tv_loss_fn=resolve_loss_config("tv", losses)["tv"][0], selector_loss_alpha=ours.knobs.selector_loss_alpha
         )

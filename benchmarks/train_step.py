@@ -122,11 +122,10 @@ def build(size: Size, algorithm: str, device: str, seed: int = 0, theirs_config:
         loss="kl_div",
         position_weighting="fixed-exp-decay",
         block_attention="bidirectional",
+        candidate_top_k=16,
     )
     if algorithm == "dflash2":
         knobs.update(selector_init="normal")
-    else:
-        knobs.update(metrics_top_k=16)
     embed = torch.randn(size.vocab, size.hidden) * 0.02
     head = torch.randn(size.vocab, size.hidden) * 0.02
     ours = build_draft(AlgorithmConfig.preset(algorithm, **knobs), target, embed, head).to(device)

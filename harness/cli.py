@@ -7,43 +7,10 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any
 
 log = logging.getLogger("dflash_lab")
 
-# flag -> (knob name, type); names follow speculators so users already know them
-KNOB_FLAGS: dict[str, tuple[str, Any]] = {
-    "--block-size": ("block_size", int),
-    "--num-layers": ("num_draft_layers", int),
-    "--target-layer-ids": ("target_layer_ids", lambda s: [int(x) for x in s.replace(",", " ").split()]),
-    "--mask-token-id": ("mask_token_id", int),
-    "--block-attention": ("block_attention", str),
-    "--loss-fn": ("loss", str),
-    "--per-position-loss-weight": ("position_weighting", str),
-    "--dflash-decay-gamma": ("decay_gamma", float),
-    "--dpace-alpha": ("dpace_alpha", float),
-    "--max-anchors": ("max_anchors", int),
-    "--conv-kernel-size": ("conv_kernel_size", int),
-    "--conv-group-size": ("conv_group_size", int),
-    "--selector-rank": ("selector_rank", int),
-    "--selector-top-k": ("selector_top_k", int),
-    "--selector-loss-alpha": ("selector_loss_alpha", float),
-    "--metrics-top-k": ("metrics_top_k", int),
-}
-TRAIN_FLAGS: dict[str, tuple[str, Any]] = {
-    "--lr": ("learning_rate", float),
-    "--max-steps": ("max_steps", int),
-    "--seed": ("seed", int),
-    "--eval-every": ("eval_every", int),
-    "--schedule": ("schedule", str),
-    "--precision": ("precision", str),
-}
-DATA_FLAGS: dict[str, tuple[str, Any]] = {
-    "--num-conversations": ("num_conversations", int),
-    "--num-validation": ("num_validation", int),
-    "--row-length": ("row_length", int),
-    "--data-split": ("split", str),
-}
+DEFAULT_ALGORITHM, DEFAULT_TARGET = "dflash2", "smollm2-135m"
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -55,69 +22,44 @@ def add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def add_run_options(parser: argparse.ArgumentParser) -> None:
+    from algorithms import ALGORITHMS
+    from harness.knob_flags import add_knob_flags
+    from harness.presets import PRESETS
+
     parser.add_argument(
-        "--algorithm", choices=["dflash", "dflash2"], default="dflash2", help="draft algorithm (default: dflash2)"
+        "--algorithm",
+        choices=list(ALGORITHMS),
+        help=f"draft algorithm (default: the config file's, else {DEFAULT_ALGORITHM})",
     )
     parser.add_argument(
         "--target",
-        default="smollm2-135m",
-        help="embedded target name, local HF model dir or hub id (default: smollm2-135m)",
+        help=f"embedded target name, local HF model dir or hub id (default: the config file's, else {DEFAULT_TARGET})",
     )
-    parser.add_argument("--data", help="dataset: 'chitchat' (embedded), a messages JSONL file or an HF dataset id")
     parser.add_argument("--config", type=Path, help="YAML run config; flags given on the command line override it")
     parser.add_argument(
         "--preset",
-        choices=["small", "published"],
-        help="knob preset (default: small for the embedded target, else published)",
+        choices=list(PRESETS),
+        help="knob defaults (default: small for the embedded target, else published)",
     )
-    parser.add_argument(
-        "--sample-from-anchor",
-        dest="sample_from_anchor",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="predict from the anchor slot too (DSpark style; dflash only)",
-    )
-    for flag, (name, _) in {**KNOB_FLAGS, **TRAIN_FLAGS, **DATA_FLAGS}.items():
-        parser.add_argument(flag, dest=name, default=None, help=f"knob {name}")
+    add_knob_flags(parser)
 
 
 def resolve_run_config(args: argparse.Namespace):
-    """Preset -> YAML config -> command-line flags, in that order of precedence (last wins)."""
-    import dataclasses
-
+    """Preset, then the YAML config, then the flags given on the command line (last wins)."""
     from harness.config import RunConfig, load_yaml
+    from harness.knob_flags import flag_overrides
     from harness.presets import preset_run
 
-    base = preset_run(
-        args.preset or ("small" if args.target == "smollm2-135m" else "published"), args.algorithm, args.target
-    )
-    data = base.to_dict()
-    if args.config:
-        loaded = load_yaml(args.config)
-        for section in ("shared", "knobs", "train", "data"):
-            data[section].update(loaded.pop(section, {}))
-        data.update(loaded)
-    data["algorithm"], data["target"] = args.algorithm, args.target
-    if args.data:
-        data["data"]["dataset"] = args.data
-    for flags, section in ((KNOB_FLAGS, None), (TRAIN_FLAGS, "train"), (DATA_FLAGS, "data")):
-        for flag, (name, kind) in flags.items():
-            value = getattr(args, name)
-            if value is None:
-                continue
-            try:
-                value = kind(value)
-            except ValueError:
-                raise SystemExit(
-                    f"error: {flag}={value!r} is not a valid {getattr(kind, '__name__', 'list of ints')}"
-                ) from None
-            target_section = section or (
-                "shared" if name in {f.name for f in dataclasses.fields(type(base.algorithm.shared))} else "knobs"
-            )
-            data[target_section][name] = value
-    if args.sample_from_anchor is not None:
-        data["shared"]["sample_from_anchor"] = args.sample_from_anchor
     try:
+        loaded = load_yaml(args.config) if args.config else {}
+        algorithm = args.algorithm or loaded.pop("algorithm", DEFAULT_ALGORITHM)
+        target = args.target or loaded.pop("target", DEFAULT_TARGET)
+        data = preset_run(args.preset or ("small" if target == DEFAULT_TARGET else "published"), algorithm, target)
+        data = data.to_dict()
+        for section, overrides in flag_overrides(args).items():
+            data[section].update(loaded.pop(section, {}) or {})
+            data[section].update(overrides)
+        data.update(loaded, algorithm=algorithm, target=target)
         config = RunConfig.from_dict(data)
         config.validate()
     except (TypeError, ValueError) as error:
@@ -125,29 +67,41 @@ def resolve_run_config(args: argparse.Namespace):
     return config
 
 
-def dry_run(config, target_name: str, workdir: Path) -> dict:
-    """Resolved knobs, draft config and parameter counts, without loading weights or data."""
+def planned_draft(config, workdir: Path):
+    """The draft `config` would build, on the meta device: checks every target-dependent knob against the
+    target's config alone, before any weights or data are loaded."""
     import torch
 
-    from algorithms.registry import DRAFT_CLASSES, draft_config
-    from harness.export import checkpoint_config
+    from algorithms import build_draft
     from harness.targets import target_config, target_spec
 
-    spec = target_spec(target_config(target_name, workdir), target_name)
+    spec = target_spec(target_config(config.target, workdir), config.target)
     algorithm = config.algorithm
     if algorithm.shared.mask_token_id is None:
         algorithm = algorithm.replace(mask_token_id=0)  # placeholder for shape counting only; chosen at train time
-    resolved = draft_config(algorithm, spec)
-    with torch.device("meta"):
-        embed = torch.empty(spec.vocab_size, spec.hidden_size)
-        draft = DRAFT_CLASSES[algorithm.algorithm](resolved, algorithm, embed, embed)
-    shapes = {name: list(tensor.shape) for name, tensor in draft.state_dict().items()}
+    try:
+        with torch.device("meta"):
+            embed = torch.empty(spec.vocab_size, spec.hidden_size)
+            return build_draft(algorithm, spec, embed, embed)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+def dry_run(config, workdir: Path) -> dict:
+    """Resolved knobs, draft config and parameter counts, without loading weights or data."""
+    from harness.export import NoPeerFormat, checkpoint_config
+
+    draft = planned_draft(config, workdir)
+    try:
+        export = checkpoint_config(draft, config.target)
+    except NoPeerFormat as refusal:
+        export = str(refusal)
     return {
         "config": config.to_dict(),
-        "target_layer_ids": resolved.target_layer_ids,
+        "target_layer_ids": draft.config.target_layer_ids,
         "trainable_parameters": sum(p.numel() for p in draft.parameters()),
-        "checkpoint_config": checkpoint_config(draft, target_name),
-        "tensor_shapes": shapes,
+        "checkpoint_config": export,
+        "tensor_shapes": {name: list(tensor.shape) for name, tensor in draft.state_dict().items()},
     }
 
 
@@ -157,8 +111,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     config = resolve_run_config(args)
     if args.dry_run:
-        print(json.dumps(dry_run(config, args.target, args.workdir), indent=2))
+        print(json.dumps(dry_run(config, args.workdir), indent=2))
         return 0
+    planned_draft(config, args.workdir)
     workspace = prepare_workspace(config, args.workdir, args.device)
     result = train(config, workspace, run_name=args.run_name, resume=args.resume, device=args.device)
     print(json.dumps({k: round(v, 4) for k, v in result.validation.items() if "position" not in k}, indent=2))
@@ -171,6 +126,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from harness.train import prepare_workspace
 
     config = resolve_run_config(args)
+    planned_draft(config, args.workdir)
     workspace = prepare_workspace(config, args.workdir, args.device)
     print(
         f"target {workspace.target.name} ({workspace.target.weights_hash}), mask "
@@ -184,56 +140,50 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    from harness.export import export_checkpoint
-    from harness.targets import load_target
+def located_run(args: argparse.Namespace):
+    """The run named on the command line, which must hold a checkpoint."""
+    from harness.run import Run
 
-    run_dir, state, config = load_checkpoint(args.run, args.workdir)
-    target = load_target(config.target, args.workdir, config.algorithm.shared.mask_token_id)
-    draft = restore_draft(config, state, target)
-    out = export_checkpoint(draft, args.out or run_dir / "export", target.source)
-    print(f"exported {config.algorithm.algorithm} draft (step {state['step']}) to {out}")
+    run = Run.locate(args.run, args.workdir)
+    if not run.has_checkpoint():
+        raise SystemExit(f"error: no checkpoint for run {str(args.run)!r} at {run.checkpoint_path}")
+    return run
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from harness.export import NoPeerFormat, export_checkpoint, peer_format
+    from harness.run import EXPORT_DIR
+    from harness.targets import load_target
+    from harness.train import checkpoint_config, restore_draft
+
+    run = located_run(args)
+    config = checkpoint_config(run)
+    try:
+        peer_format(config.algorithm.entry)
+    except NoPeerFormat as error:
+        raise SystemExit(f"error: {error}") from None
+    target = load_target(config.target, run.workdir, config.algorithm.shared.mask_token_id)
+    draft, _, step = restore_draft(run, target)
+    out = export_checkpoint(draft, args.out or run.path(EXPORT_DIR), target.source)
+    print(f"exported {config.algorithm.algorithm} draft (step {step}) to {out}")
     print(f"serve with: vllm serve {out}   (verifier: {target.source})")
     return 0
 
 
-def load_checkpoint(run: Path, workdir: Path):
-    """(run_dir, state, config) of a run directory or run name."""
-    import torch
-
-    from harness.config import RunConfig
-
-    run_dir = run if run.is_dir() else workdir / "runs" / str(run)
-    checkpoint = run_dir / "checkpoint.pt"
-    if not checkpoint.exists():
-        raise SystemExit(
-            f"error: no checkpoint at {checkpoint}; pass a run directory or a run name under {workdir / 'runs'}"
-        )
-    state = torch.load(checkpoint, weights_only=False)
-    return run_dir, state, RunConfig.from_dict(state["config"])
-
-
-def restore_draft(config, state: dict, target, device: str = "cpu"):
-    from harness.train import build_for_target
-
-    draft = build_for_target(config, target).to(device)
-    draft.load_state_dict(state["model"])
-    return draft
-
-
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from harness import tracking
-    from harness.evaluate import EVAL_PREFIX, EvalConfig, evaluate, log_evaluation
-    from harness.train import prepare_workspace
+    from harness.evaluate import EvalConfig, evaluate, log_evaluation
+    from harness.run import EVAL_RECORDS_FILE
+    from harness.train import checkpoint_config, prepare_workspace, restore_draft
 
-    run_dir, state, config = load_checkpoint(args.run, args.workdir)
-    workspace = prepare_workspace(config, args.workdir, args.device)
-    draft = restore_draft(config, state, workspace.target, args.device)
+    run = located_run(args)
+    workspace = prepare_workspace(checkpoint_config(run), run.workdir, args.device)
+    draft, _, _ = restore_draft(run, workspace.target, args.device)
     eval_config = EvalConfig(
         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures)
     )
     metrics, records = evaluate(workspace.target, draft, workspace.data.validation, eval_config)
-    log_evaluation(args.workdir, state["run_id"], metrics, records, run_dir)
+    log_evaluation(run, metrics, records)
     for name in (
         "measured_accepted_length_greedy",
         "measured_accepted_length_t1",
@@ -244,13 +194,15 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         "chat_lossless_fraction",
     ):
         if name in metrics:
-            print(f"{EVAL_PREFIX}{name}: {metrics[name]:.4f}")
-    print(f"logged to MLflow run {state['run_id']}; per-request records in {run_dir / 'eval_records.json'}")
-    print(f"Open the UI with: {tracking.ui_command(args.workdir)}")
+            print(f"{tracking.EVAL_PREFIX}{name}: {metrics[name]:.4f}")
+    print(f"logged to MLflow run {run.run_id}; per-request records in {run.path(EVAL_RECORDS_FILE)}")
+    print(f"Open the UI with: {tracking.ui_command(run.workdir)}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from harness.evaluate import EvalConfig
+
     parser = argparse.ArgumentParser(
         prog="dflash-lab", description="Train, compare and ablate DFlash-family draft models."
     )
@@ -296,10 +248,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_common(evaluate)
     evaluate.add_argument("run", type=Path, help="run directory or run name")
-    evaluate.add_argument("--num-prompts", type=int, default=20, help="prompts per set (default: 20)")
-    evaluate.add_argument("--max-new-tokens", type=int, default=128, help="tokens per request (default: 128)")
+    defaults = EvalConfig()
     evaluate.add_argument(
-        "--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="decoding temperatures (default: 0 1)"
+        "--num-prompts", type=int, default=defaults.num_prompts, help="prompts per set (default: %(default)s)"
+    )
+    evaluate.add_argument(
+        "--max-new-tokens", type=int, default=defaults.max_new_tokens, help="tokens per request (default: %(default)s)"
+    )
+    evaluate.add_argument(
+        "--temperatures",
+        type=float,
+        nargs="+",
+        default=list(defaults.temperatures),
+        help="decoding temperatures (default: %(default)s)",
     )
     evaluate.set_defaults(handler=cmd_evaluate)
 

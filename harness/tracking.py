@@ -1,14 +1,57 @@
-"""MLflow naming and run lifecycle. Metric names come from `algorithms.metrics`; prefixes live here."""
+"""Every MLflow name dflash-lab writes: tags, roles, statuses, param and metric prefixes, and the store.
+
+Metric names themselves come from `algorithms.metrics`; this module owns how they are prefixed.
+Reports read these names from here, so renaming one is a one-line change.
+"""
 
 from __future__ import annotations
 
 import os
+from enum import StrEnum
 from pathlib import Path
 
-TRAIN_PREFIX, VAL_PREFIX = "train/", "val/"
+import mlflow
+
+# Metric prefixes.
+TRAIN_PREFIX, VAL_PREFIX, EVAL_PREFIX = "train/", "val/", "eval/"
+BEST_PREFIX, IMPORTANCE_PREFIX = "best/", "importance/"
+# Param prefixes of a study's parent run.
+PINNED_PREFIX, STUDY_PREFIX = "pinned.", "study."
+
+# Tags.
 TAG_ALGORITHM, TAG_STUDY, TAG_TRIAL = "dflash_lab.algorithm", "dflash_lab.study", "dflash_lab.trial_number"
-TAG_ROLE, TAG_STATUS_REASON, TAG_RUN_DIR = "dflash_lab.role", "dflash_lab.failure_reason", "dflash_lab.run_dir"
+TAG_ROLE, TAG_RUN_DIR, TAG_CHECKPOINT = "dflash_lab.role", "dflash_lab.run_dir", "dflash_lab.checkpoint"
+TAG_STATUS, TAG_STATUS_REASON = "dflash_lab.status", "dflash_lab.failure_reason"
+TAG_BASELINE, TAG_BEST_TRIAL, TAG_OBJECTIVES = "dflash_lab.baseline", "dflash_lab.best_trial", "dflash_lab.objectives"
+
+# Roles (TAG_ROLE values).
+ROLE_RUN, ROLE_TRIAL, ROLE_BASELINE, ROLE_STUDY = "run", "trial", "baseline", "study"
+
 DEFAULT_EXPERIMENT = "dflash-lab"
+
+
+class RunStatus(StrEnum):
+    """How a run ended. MLflow has fewer statuses, so the exact one is also a tag."""
+
+    FINISHED = "finished"
+    FAILED = "failed"
+    PRUNED = "pruned"
+    INFEASIBLE = "infeasible"
+    INTERRUPTED = "interrupted"
+    RUNNING = "running"  # not an end: a run still going, or one whose process died
+
+    @property
+    def mlflow_status(self) -> str:
+        return {"finished": "FINISHED", "failed": "FAILED", "running": "RUNNING"}.get(self.value, "KILLED")
+
+    @classmethod
+    def of(cls, tags: dict[str, str], mlflow_status: str) -> RunStatus:
+        """The status a run recorded; a run that never recorded one is read from MLflow's."""
+        if TAG_STATUS in tags:
+            return cls(tags[TAG_STATUS])
+        return {"FINISHED": cls.FINISHED, "FAILED": cls.FAILED, "KILLED": cls.INTERRUPTED}.get(
+            mlflow_status, cls.RUNNING
+        )
 
 
 def tracking_uri(workdir: Path) -> str:
@@ -16,16 +59,18 @@ def tracking_uri(workdir: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(workdir / 'mlflow.db').resolve()}"
 
 
+def client(workdir: Path) -> mlflow.MlflowClient:
+    return mlflow.MlflowClient(tracking_uri(workdir))
+
+
 def configure(workdir: Path, experiment: str = DEFAULT_EXPERIMENT) -> str:
     """Point MLflow at the store and experiment; returns the experiment id."""
-    import mlflow
-
     workdir.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(tracking_uri(workdir))
     existing = mlflow.get_experiment_by_name(experiment)
     if existing is not None:
         return existing.experiment_id
-    if os.environ.get("MLFLOW_TRACKING_URI"):  # a tracking server stores (or proxies) artifacts itself
+    if tracking_uri(workdir).startswith(("http://", "https://")):  # a server stores (or proxies) artifacts itself
         return mlflow.create_experiment(experiment)
     return mlflow.create_experiment(experiment, artifact_location=(workdir / "mlartifacts").resolve().as_uri())
 
@@ -38,10 +83,6 @@ def prefixed(values: dict[str, float], prefix: str) -> dict[str, float]:
     return {f"{prefix}{name}": float(value) for name, value in values.items()}
 
 
-def log_params(params: dict) -> None:
-    """Log params in batches (MLflow caps one call at 100), stringifying values."""
-    import mlflow
-
-    items = sorted(params.items())
-    for start in range(0, len(items), 100):
-        mlflow.log_params({k: "None" if v is None else v for k, v in items[start : start + 100]})
+def stringified(params: dict) -> dict[str, object]:
+    """MLflow params as logged: None spelled out."""
+    return {k: "None" if v is None else v for k, v in params.items()}

@@ -5,24 +5,35 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
 from algorithms import build_draft
 from algorithms.blocks import PackedRow, sample_anchors
-from algorithms.dflash import DFlashDraft
-from algorithms.metrics import MetricCounts, finalize, pool
+from algorithms.dflash import DFlashDraft, StepOutput
+from algorithms.metrics import (
+    ORACLE_ACCEPTED_LENGTH,
+    REALIZED_ACCEPTED_LENGTH,
+    UNARY_ACCEPTED_LENGTH,
+    MetricCounts,
+    conditional_acc_name,
+    finalize,
+    pool,
+    recall_name,
+)
 from harness import tracking
 from harness.config import RunConfig
 from harness.data import PreparedData, prepare_documents
 from harness.features import FeatureCache, load_or_build
+from harness.run import CONFIG_FILE, PER_POSITION_FILE, Run
 from harness.targets import Target, load_target
+from harness.tracking import RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +81,20 @@ def build_for_target(config: RunConfig, target: Target) -> DFlashDraft:
     return build_draft(config.algorithm, target.spec, target.embed_weight, target.head_weight)
 
 
+def restore_draft(run: Run, target: Target, device: str = "cpu") -> tuple[DFlashDraft, RunConfig, int]:
+    """A run's last checkpoint loaded into a draft for `target`: (draft, config, step)."""
+    state = run.load_checkpoint()
+    config = RunConfig.from_dict(state["config"])
+    draft = build_for_target(config, target).to(device)
+    draft.load_state_dict(state["model"])
+    return draft, config, state["step"]
+
+
+def checkpoint_config(run: Run) -> RunConfig:
+    """The config a run's checkpoint was trained with."""
+    return RunConfig.from_dict(run.load_checkpoint()["config"])
+
+
 def learning_rate_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
     """Linear warmup, then linear or cosine decay to 0."""
     warmup = max(1, math.ceil(total * warmup_ratio)) if warmup_ratio > 0 else 0
@@ -83,7 +108,7 @@ def learning_rate_factor(step: int, total: int, warmup_ratio: float, schedule: s
 def validate(
     draft: DFlashDraft, rows: list[PackedRow], device: str, precision: str = "auto"
 ) -> tuple[dict[str, float], MetricCounts]:
-    """Pooled metrics over every validation row, anchors seeded by the row index (D7)."""
+    """Pooled metrics over every validation row; anchors seeded by the row index, so every run sees the same."""
     draft.eval()
     shared = draft.shared
     counts: MetricCounts = {}
@@ -101,7 +126,7 @@ def anchors_to(anchors, device):
 
 
 def autocast(device: str, precision: str):
-    """bf16 autocast with fp32 master weights (spec §3.7), or fp32; `auto` is bf16 on CUDA and fp32 on CPU.
+    """bf16 autocast with fp32 master weights, or fp32; `auto` is bf16 on CUDA and fp32 on CPU.
 
     bf16 on CPU is about 2x faster where the CPU has native bf16 (AVX512-BF16/AMX), much slower elsewhere.
     """
@@ -135,20 +160,7 @@ class TrainResult:
     stopped_reason: str | None = None
 
 
-def run_directory(workdir: Path, run_name: str) -> Path:
-    return workdir / "runs" / run_name
-
-
-def save_checkpoint(path: Path, state: dict) -> None:
-    """Atomic: a kill mid-write leaves the previous checkpoint intact."""
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-
-
 def per_position_rows(values: dict[str, float], block_size: int, first_slot: int, top_k: int) -> list[dict]:
-    from algorithms.metrics import conditional_acc_name, recall_name
-
     return [
         {
             "slot": slot,
@@ -163,240 +175,222 @@ def per_position_rows(values: dict[str, float], block_size: int, first_slot: int
     ]
 
 
+def default_run_name(config: RunConfig) -> str:
+    return f"{config.algorithm.algorithm}-{config.fingerprint()}"
+
+
+# Called after each validation with (step, metrics); a returned string stops the run as pruned.
+ValidationHook = Callable[[int, dict[str, float]], str | None]
+
+
+class TrainingRecipe:
+    """One draft's training, in the torchtune manner: setup, resume, step, validate, save.
+
+    The recipe owns the model, optimizer and schedule; the `Run` owns the directory and MLflow.
+    """
+
+    def __init__(self, config: RunConfig, workspace: Workspace, run: Run, device: str = "cpu") -> None:
+        self.config, self.workspace, self.run, self.device = config, workspace, run, device
+        self.shared = config.algorithm.shared
+        self.start_step = 0
+        self.history: list[dict] = []
+        self.setup()
+
+    def setup(self) -> None:
+        """A fresh draft, optimizer, schedule and anchor stream, all seeded by the training seed."""
+        train = self.config.train
+        torch.manual_seed(train.seed)
+        self.draft = build_for_target(self.config, self.workspace.target).to(self.device)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.draft.parameters() if p.requires_grad],
+            lr=train.learning_rate,
+            weight_decay=train.weight_decay,
+        )
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: learning_rate_factor(step, train.max_steps, train.warmup_ratio, train.schedule),
+        )
+        self.anchor_generator = torch.Generator().manual_seed(train.seed)
+
+    def resume(self) -> None:
+        """Continue from the run's checkpoint, which must come from the same config."""
+        state = self.run.load_checkpoint()
+        if state["config"] != self.config.to_dict():
+            raise ValueError(
+                f"--resume: the checkpoint in {self.run.directory} was written with a different config; "
+                "use another --run-name"
+            )
+        self.draft.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["scheduler"])
+        self.anchor_generator.set_state(state["anchor_generator"])
+        self.start_step, self.history = state["step"], state["history"]
+        log.info("resuming %s at step %d (MLflow run %s)", self.run.name, self.start_step, self.run.run_id)
+
+    def save(self, step: int) -> None:
+        self.run.save_checkpoint(
+            {
+                "model": self.draft.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.schedule.state_dict(),
+                "anchor_generator": self.anchor_generator.get_state(),
+                "step": step,
+                "history": self.history,
+                "run_id": self.run.run_id,
+                "config": self.config.to_dict(),
+            }
+        )
+
+    def training_row(self, step: int) -> PackedRow:
+        """Rows in a seeded random order per epoch, so a resumed run sees the same sequence."""
+        rows = self.workspace.train_rows
+        epoch, position = divmod(step, len(rows))
+        seed = self.config.train.seed * 100003 + epoch
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
+        return rows[int(order[position])].to(self.device)
+
+    def step(self, step: int) -> tuple[StepOutput, dict[str, float]]:
+        """One optimizer step; returns the forward's output and the step's throughput and optimizer stats."""
+        row = self.training_row(step)
+        anchors = sample_anchors(
+            row.loss_mask, row.document_ids, self.shared.block_size, self.shared.max_anchors, self.anchor_generator
+        )
+        started = time.perf_counter()
+        with autocast(self.device, self.config.train.precision):
+            output = self.draft.training_forward(row, anchors_to(anchors, self.device))
+        if not torch.isfinite(output.loss):
+            raise NonFiniteLoss(
+                f"non-finite loss {float(output.loss.detach())} at step {step + 1}; "
+                f"last good checkpoint kept at {self.run.checkpoint_path}"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        output.loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.train.grad_clip)
+        self.optimizer.step()
+        self.schedule.step()
+        elapsed = time.perf_counter() - started
+        return output, {
+            "lr": self.schedule.get_last_lr()[0],
+            "grad_norm": float(grad_norm),
+            "draft_tokens_per_s": int(anchors.valid.sum()) * self.shared.block_size / elapsed,
+            "target_feature_tokens_per_s": row.length / elapsed,
+        }
+
+    def validate(self, step: int) -> dict[str, float]:
+        values, _ = validate(self.draft, self.workspace.validation_rows, self.device, self.config.train.precision)
+        self.run.log_metrics(values, tracking.VAL_PREFIX, step)
+        self.history.append({"step": step, **values})
+        return values
+
+    def log_start(self) -> None:
+        """What a fresh run records before its first step: config, params and the untrained validation."""
+        workspace, config_path = self.workspace, self.run.path(CONFIG_FILE)
+        config_path.write_text(json.dumps(self.config.to_dict(), indent=2))
+        self.run.log_params(
+            {
+                **self.config.flat_params(),
+                **workspace.target.identity(),
+                "dataset": workspace.data.dataset_id,
+                "dataset_hash": workspace.data.dataset_hash,
+                "mask_token_reason": workspace.target.mask_token_reason,
+                "draft_parameters": sum(p.numel() for p in self.draft.parameters()),
+                "device": self.device,
+            }
+        )
+        self.run.log_file(config_path)
+        self.validate(0)
+
+    def train(self, on_validation: ValidationHook | None = None) -> TrainResult:
+        """Steps from the start (or the checkpoint) to max_steps, validating, logging and saving on schedule."""
+        train, steps = self.config.train, self.config.train.max_steps
+        counts: MetricCounts = {}
+        validation = self.history[-1] if self.history else {}
+        bar = tqdm(range(self.start_step, steps), initial=self.start_step, total=steps, desc=f"train {self.run.name}")
+        for step in bar:
+            output, stats = self.step(step)
+            pool(counts, output.counts)
+            done = step + 1
+            bar.set_postfix(
+                loss=f"{float(output.loss.detach()):.3f}",
+                val_realized=f"{validation.get(REALIZED_ACCEPTED_LENGTH, 0):.3f}",
+            )
+            if done % train.log_every == 0 or done == steps:
+                metrics = {**finalize(counts, self.shared.block_size, self.shared.first_draft_slot), **stats}
+                self.run.log_metrics(metrics, tracking.TRAIN_PREFIX, done)
+                counts = {}
+            if done % train.eval_every == 0 or done == steps:
+                validation = self.validate(done)
+                log.info(
+                    "step %d: val realized %.3f unary %.3f oracle %.3f",
+                    done,
+                    *(
+                        validation[name]
+                        for name in (REALIZED_ACCEPTED_LENGTH, UNARY_ACCEPTED_LENGTH, ORACLE_ACCEPTED_LENGTH)
+                    ),
+                )
+                stop = on_validation(done, validation) if on_validation is not None else None
+                if stop:
+                    bar.close()
+                    return self.result(validation, stopped_reason=stop)
+            if done % train.checkpoint_every == 0 or done == steps:
+                self.save(done)
+        bar.close()
+        return self.result(validation)
+
+    def result(self, validation: dict[str, float], stopped_reason: str | None = None) -> TrainResult:
+        return TrainResult(
+            self.run.run_id, self.run.directory, validation, self.history, self.draft, stopped_reason=stopped_reason
+        )
+
+    def log_finish(self, result: TrainResult) -> None:
+        """Inference step time, the per-position CSV and the checkpoint."""
+        step_ms = draft_step_ms(self.draft, self.workspace.validation_rows, self.device)
+        result.validation["draft_step_ms"] = step_ms
+        self.run.log_metrics({"draft_step_ms": step_ms}, tracking.VAL_PREFIX, self.config.train.max_steps)
+        rows = per_position_rows(
+            result.validation, self.shared.block_size, self.shared.first_draft_slot, self.shared.candidate_top_k
+        )
+        csv = self.run.path(PER_POSITION_FILE)
+        pd.DataFrame(rows).to_csv(csv, index=False)
+        self.run.log_file(csv)
+        self.run.log_checkpoint()
+
+
 def train(
     config: RunConfig,
     workspace: Workspace,
+    *,
     run_name: str | None = None,
     resume: bool = False,
     device: str = "cpu",
     tags: dict[str, str] | None = None,
     parent_run_id: str | None = None,
-    on_validation: Callable[[int, dict[str, float]], str | None] | None = None,
+    on_validation: ValidationHook | None = None,
     experiment: str = tracking.DEFAULT_EXPERIMENT,
 ) -> TrainResult:
-    """Train one draft. `on_validation(step, metrics)` may return a reason to stop early (e.g. a pruned trial)."""
-    import mlflow
-
+    """Train one draft in its own run. `on_validation` may stop it early (a pruned trial)."""
     config = with_target_defaults(config, workspace.target)
     config.validate()
-    run_name = run_name or f"{config.algorithm.algorithm}-{config.fingerprint()}"
-    run_dir = run_directory(workspace.workdir, run_name)
-    checkpoint_path = run_dir / "checkpoint.pt"
-    experiment_id = tracking.configure(workspace.workdir, experiment)
-
-    torch.manual_seed(config.train.seed)
-    draft = build_for_target(config, workspace.target).to(device)
-    optimizer = torch.optim.AdamW(
-        [p for p in draft.parameters() if p.requires_grad],
-        lr=config.train.learning_rate,
-        weight_decay=config.train.weight_decay,
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: learning_rate_factor(
-            step, config.train.max_steps, config.train.warmup_ratio, config.train.schedule
-        ),
-    )
-    anchor_generator = torch.Generator().manual_seed(config.train.seed)
-    start_step, history, run_id = 0, [], None
-    if resume and checkpoint_path.exists():
-        state = torch.load(checkpoint_path, weights_only=False)
-        if state["config"] != config.to_dict():
-            raise ValueError(
-                f"--resume: the checkpoint in {run_dir} was written with a different config; use another --run-name"
-            )
-        draft.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["scheduler"])
-        anchor_generator.set_state(state["anchor_generator"])
-        start_step, history, run_id = state["step"], state["history"], state["run_id"]
-        log.info("resuming %s at step %d (MLflow run %s)", run_name, start_step, run_id)
-    elif checkpoint_path.exists():
+    run = Run(workspace.workdir, run_name or default_run_name(config), experiment)
+    recipe = TrainingRecipe(config, workspace, run, device)
+    if resume and run.has_checkpoint():
+        recipe.resume()
+    elif run.has_checkpoint():
         raise FileExistsError(
-            f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-name"
+            f"{run.directory} already holds a run; pass --resume to continue it or choose another --run-name"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-
+    run.directory.mkdir(parents=True, exist_ok=True)
     run_tags = {
         tracking.TAG_ALGORITHM: config.algorithm.algorithm,
-        tracking.TAG_ROLE: "run",
-        tracking.TAG_RUN_DIR: str(run_dir.resolve()),
+        tracking.TAG_ROLE: tracking.ROLE_RUN,
         **(tags or {}),
     }
-    active = mlflow.start_run(
-        run_id=run_id,
-        experiment_id=None if run_id else experiment_id,
-        run_name=None if run_id else run_name,
-        tags=None if run_id else run_tags,
-        parent_run_id=parent_run_id if not run_id else None,
-        nested=parent_run_id is not None,
-        log_system_metrics=True,
-    )
-    run_id = active.info.run_id
-    try:
-        if start_step == 0:
-            (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-            tracking.log_params(
-                {
-                    **config.flat_params(),
-                    **workspace.target.identity(),
-                    "dataset": workspace.data.dataset_id,
-                    "dataset_hash": workspace.data.dataset_hash,
-                    "mask_token_reason": workspace.target.mask_token_reason,
-                    "draft_parameters": sum(p.numel() for p in draft.parameters()),
-                    "device": device,
-                }
-            )
-            mlflow.log_artifact(str(run_dir / "config.json"))
-            initial, _ = validate(draft, workspace.validation_rows, device, config.train.precision)
-            mlflow.log_metrics(tracking.prefixed(initial, tracking.VAL_PREFIX), step=0)
-            history.append({"step": 0, **initial})
-        result = _loop(
-            config,
-            workspace,
-            draft,
-            optimizer,
-            schedule,
-            anchor_generator,
-            start_step,
-            history,
-            run_id,
-            run_name,
-            checkpoint_path,
-            device,
-            on_validation,
-        )
+    with run.active(run_tags, parent_run_id):
+        if recipe.start_step == 0:
+            recipe.log_start()
+        result = recipe.train(on_validation)
         if result.stopped_reason:
-            mlflow.set_tag(tracking.TAG_STATUS_REASON, result.stopped_reason)
-            mlflow.end_run(status="KILLED")
-            return result
-        step_ms = draft_step_ms(draft, workspace.validation_rows, device)
-        result.validation["draft_step_ms"] = step_ms
-        mlflow.log_metric(f"{tracking.VAL_PREFIX}draft_step_ms", step_ms, step=config.train.max_steps)
-        _finish(config, result, run_dir, draft)
-        return result
-    except NonFiniteLoss as error:
-        mlflow.set_tag(tracking.TAG_STATUS_REASON, str(error))
-        mlflow.end_run(status="FAILED")
-        raise
-    except BaseException as error:  # a kill or a crash: record why, keep the last checkpoint
-        mlflow.set_tag(tracking.TAG_STATUS_REASON, f"{type(error).__name__}: {error}")
-        mlflow.end_run(status="KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED")
-        raise
-    finally:
-        if mlflow.active_run() is not None:
-            mlflow.end_run()
-
-
-def _loop(
-    config,
-    workspace,
-    draft,
-    optimizer,
-    schedule,
-    anchor_generator,
-    start_step,
-    history,
-    run_id,
-    run_name,
-    checkpoint_path,
-    device,
-    on_validation,
-) -> TrainResult:
-    import mlflow
-
-    shared, steps = config.algorithm.shared, config.train.max_steps
-    rows = workspace.train_rows
-    train_counts: MetricCounts = {}
-    validation = history[-1] if history else {}
-    bar = tqdm(range(start_step, steps), initial=start_step, total=steps, desc=f"train {run_name}", unit="step")
-    for step in bar:
-        epoch, position = divmod(step, len(rows))
-        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(config.train.seed * 100003 + epoch))
-        row = rows[int(order[position])].to(device)
-        anchors = sample_anchors(
-            row.loss_mask, row.document_ids, shared.block_size, shared.max_anchors, anchor_generator
-        )
-        started = time.perf_counter()
-        with autocast(device, config.train.precision):
-            output = draft.training_forward(row, anchors_to(anchors, device))
-        if not torch.isfinite(output.loss):
-            raise NonFiniteLoss(
-                f"non-finite loss {float(output.loss.detach())} at step "
-                f"{step + 1}; last good checkpoint kept at {checkpoint_path}"
-            )
-        optimizer.zero_grad(set_to_none=True)
-        output.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), config.train.grad_clip)
-        optimizer.step()
-        schedule.step()
-        elapsed = time.perf_counter() - started
-        pool(train_counts, output.counts)
-        done = step + 1
-        bar.set_postfix(
-            loss=f"{float(output.loss.detach()):.3f}",
-            val_realized=f"{validation.get('realized_accepted_length', 0):.3f}",
-        )
-        if done % config.train.log_every == 0 or done == steps:
-            metrics = finalize(train_counts, shared.block_size, shared.first_draft_slot)
-            train_counts = {}
-            metrics.update(
-                {
-                    "lr": schedule.get_last_lr()[0],
-                    "grad_norm": float(grad_norm),
-                    "draft_tokens_per_s": int(anchors.valid.sum()) * shared.block_size / elapsed,
-                    "target_feature_tokens_per_s": row.length / elapsed,
-                }
-            )
-            mlflow.log_metrics(tracking.prefixed(metrics, tracking.TRAIN_PREFIX), step=done)
-        if done % config.train.eval_every == 0 or done == steps:
-            validation, _ = validate(draft, workspace.validation_rows, device, config.train.precision)
-            mlflow.log_metrics(tracking.prefixed(validation, tracking.VAL_PREFIX), step=done)
-            history.append({"step": done, **validation})
-            log.info(
-                "step %d: val realized %.3f unary %.3f oracle %.3f",
-                done,
-                validation["realized_accepted_length"],
-                validation["unary_accepted_length"],
-                validation["oracle_accepted_length"],
-            )
-            stop = on_validation(done, validation) if on_validation is not None else None
-            if stop:
-                bar.close()
-                return TrainResult(run_id, checkpoint_path.parent, validation, history, draft, stopped_reason=stop)
-        if done % config.train.checkpoint_every == 0 or done == steps:
-            save_checkpoint(
-                checkpoint_path,
-                {
-                    "model": draft.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "scheduler": schedule.state_dict(),
-                    "anchor_generator": anchor_generator.get_state(),
-                    "step": done,
-                    "history": history,
-                    "run_id": run_id,
-                    "config": config.to_dict(),
-                },
-            )
-    bar.close()
-    return TrainResult(run_id, checkpoint_path.parent, validation, history, draft)
-
-
-def _finish(config: RunConfig, result: TrainResult, run_dir: Path, draft: DFlashDraft) -> None:
-    """Final artifacts: per-position CSV and the checkpoint (or its path when large)."""
-    import mlflow
-    import pandas as pd
-
-    shared = config.algorithm.shared
-    table = pd.DataFrame(
-        per_position_rows(
-            result.validation, shared.block_size, shared.first_draft_slot, config.algorithm.knobs.candidate_top_k
-        )
-    )
-    csv = run_dir / "per_position.csv"
-    table.to_csv(csv, index=False)
-    mlflow.log_artifact(str(csv))
-    checkpoint = run_dir / "checkpoint.pt"
-    if checkpoint.stat().st_size < 64 * 2**20:
-        mlflow.log_artifact(str(checkpoint))
-    mlflow.set_tag("dflash_lab.checkpoint", str(checkpoint.resolve()))
+            run.end(RunStatus.PRUNED, result.stopped_reason)
+        else:
+            recipe.log_finish(result)
+    return result

@@ -7,11 +7,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from algorithms.metrics import ACCEPTED_LENGTHS, conditional_acc_name, recall_name, target_mass_name
+from algorithms import ALGORITHMS
+from algorithms.metrics import ACCEPTED_LENGTHS, PATHS, conditional_acc_name, recall_name, target_mass_name
 from harness import tracking
-from studies.schema import SWEPT_KNOBS
+from harness.tracking import RunStatus
 
-VAL = tracking.VAL_PREFIX
+VAL, EVAL = tracking.VAL_PREFIX, tracking.EVAL_PREFIX
+# Every knob any registered algorithm tunes, in registry order: the knob columns of a report.
+TUNED_KNOBS = tuple(dict.fromkeys(knob for entry in ALGORITHMS.values() for knob in entry.tuned_knobs))
+MAX_SLOTS = 64
 
 
 @dataclass
@@ -23,49 +27,45 @@ class StudyRecord:
     runs: pd.DataFrame  # one row per child run
 
 
-def _status(run) -> str:
-    """complete | pruned | infeasible | failed | running, from the MLflow status and the recorded reason."""
-    reason = run.data.tags.get(tracking.TAG_STATUS_REASON, "")
-    if run.info.status == "FINISHED":
-        return "complete"
-    if run.info.status == "KILLED":
-        return "infeasible" if reason.startswith("infeasible") else "pruned"
-    if run.info.status == "FAILED":
-        return "failed"
-    return "running"
-
-
 def collect(study: str, workdir: Path) -> StudyRecord:
-    import mlflow
-
-    client = mlflow.MlflowClient(tracking.tracking_uri(workdir))
+    client = tracking.client(workdir)
     experiment = client.get_experiment_by_name(study)
     if experiment is None:
-        raise LookupError(f"no MLflow experiment named {study!r} in {tracking.tracking_uri(workdir)}; launch the study first")
+        raise LookupError(
+            f"no MLflow experiment named {study!r} in {tracking.tracking_uri(workdir)}; launch the study first"
+        )
     runs = client.search_runs([experiment.experiment_id], max_results=50000)
-    parents = [r for r in runs if r.data.tags.get(tracking.TAG_ROLE) == "study"]
+    parents = [r for r in runs if r.data.tags.get(tracking.TAG_ROLE) == tracking.ROLE_STUDY]
     if not parents:
         raise LookupError(f"experiment {study!r} has no study parent run")
     parent = parents[0]
     rows = []
     for run in runs:
         role = run.data.tags.get(tracking.TAG_ROLE)
-        if role not in ("trial", "baseline"):
+        if role not in (tracking.ROLE_TRIAL, tracking.ROLE_BASELINE):
             continue
         params, metrics, tags = run.data.params, run.data.metrics, run.data.tags
-        algorithm = params.get("algorithm", "dflash2")
-        top_k = int(params.get("algo.selector_top_k") or params.get("algo.metrics_top_k") or 0)
+        algorithm = params.get("algorithm", "")
+        top_k = int(params.get("shared.candidate_top_k") or 0)
         row = {
-            "run_id": run.info.run_id, "run_name": run.info.run_name, "role": role,
-            "baseline": tags.get("dflash_lab.baseline", ""), "trial": tags.get(tracking.TAG_TRIAL, ""),
-            "status": _status(run), "reason": tags.get(tracking.TAG_STATUS_REASON, ""), "algorithm": algorithm,
-            "seed": params.get("train.seed", ""), "top_k": top_k,
+            "run_id": run.info.run_id,
+            "run_name": run.info.run_name,
+            "role": role,
+            "baseline": tags.get(tracking.TAG_BASELINE, ""),
+            "trial": tags.get(tracking.TAG_TRIAL, ""),
+            "status": RunStatus.of(tags, run.info.status).value,
+            "reason": tags.get(tracking.TAG_STATUS_REASON, ""),
+            "algorithm": algorithm,
+            "seed": params.get("train.seed", ""),
+            "top_k": top_k,
             "parameters": float(params["draft_parameters"]) if "draft_parameters" in params else float("nan"),
-            "target": params.get("target", ""), "target_hash": params.get("target_hash", ""),
-            "dataset": params.get("dataset", ""), "dataset_hash": params.get("dataset_hash", ""),
+            "target": params.get("target", ""),
+            "target_hash": params.get("target_hash", ""),
+            "dataset": params.get("dataset", ""),
+            "dataset_hash": params.get("dataset_hash", ""),
         }
-        for knob in SWEPT_KNOBS:
-            row[knob] = params.get(f"algo.{knob}", "")
+        for knob in TUNED_KNOBS:
+            row[knob] = params.get(f"algo.{knob}", params.get(f"shared.{knob}", ""))
         for name in ACCEPTED_LENGTHS:
             row[name] = metrics.get(f"{VAL}{name}", float("nan"))
         row["recall_at_k"] = metrics.get(f"{VAL}{recall_name(top_k)}", float("nan"))
@@ -73,10 +73,10 @@ def collect(study: str, workdir: Path) -> StudyRecord:
         row["unary_recall_at_1"] = metrics.get(f"{VAL}unary_full_acc", float("nan"))
         row["teacher_forced_selector_acc"] = metrics.get(f"{VAL}teacher_forced_selector_acc", float("nan"))
         row["draft_step_ms"] = metrics.get(f"{VAL}draft_step_ms", float("nan"))
-        row["measured_greedy"] = metrics.get("eval/measured_accepted_length_greedy", float("nan"))
-        row["measured_t1"] = metrics.get("eval/measured_accepted_length_t1", float("nan"))
-        for path in ("unary", "realized", "oracle"):
-            for slot in range(0, 64):
+        row["measured_greedy"] = metrics.get(f"{EVAL}measured_accepted_length_greedy", float("nan"))
+        row["measured_t1"] = metrics.get(f"{EVAL}measured_accepted_length_t1", float("nan"))
+        for path in PATHS:
+            for slot in range(MAX_SLOTS):
                 key = f"{VAL}{conditional_acc_name(path, slot)}"
                 if key in metrics:
                     row[f"{path}_pos{slot}"] = metrics[key]
@@ -85,5 +85,16 @@ def collect(study: str, workdir: Path) -> StudyRecord:
     if not frame.empty:
         frame["selector_gain"] = frame["realized_accepted_length"] - frame["unary_accepted_length"]
         frame["oracle_headroom"] = frame["oracle_accepted_length"] - frame["realized_accepted_length"]
-        frame = frame.sort_values(["role", "realized_accepted_length", "run_name"], ascending=[True, False, True], na_position="last").reset_index(drop=True)
-    return StudyRecord(study, {"run_id": parent.info.run_id, "params": parent.data.params, "metrics": parent.data.metrics, "tags": parent.data.tags}, frame)
+        frame = frame.sort_values(
+            ["role", "realized_accepted_length", "run_name"], ascending=[True, False, True], na_position="last"
+        ).reset_index(drop=True)
+    return StudyRecord(
+        study,
+        {
+            "run_id": parent.info.run_id,
+            "params": parent.data.params,
+            "metrics": parent.data.metrics,
+            "tags": parent.data.tags,
+        },
+        frame,
+    )

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import math
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pandas as pd
 
-from reports.collect import StudyRecord
-from studies.schema import SWEPT_KNOBS
+from algorithms import ALGORITHMS
+from algorithms.registry import REFERENCE_ALGORITHM
+from harness import tracking
+from reports.collect import TUNED_KNOBS, StudyRecord
 
 GENERATED_PREFIX = "Generated: "
 
@@ -47,8 +49,16 @@ def header(record: StudyRecord) -> str:
     trial_counts = trials.groupby("status").size().to_dict() if not trials.empty else {}
     first = runs.iloc[0] if not runs.empty else None
     pinned = sorted((k.removeprefix("pinned.shared."), v) for k, v in params.items() if k.startswith("pinned.shared."))
-    target = f"{first['target']} (weights `{first['target_hash']}`)" if first is not None else params.get("pinned.target", "–")
-    data = f"{first['dataset']} (hash `{first['dataset_hash']}`)" if first is not None else params.get("pinned.data.dataset", "–")
+    target = (
+        f"{first['target']} (weights `{first['target_hash']}`)"
+        if first is not None
+        else params.get("pinned.target", "–")
+    )
+    data = (
+        f"{first['dataset']} (hash `{first['dataset_hash']}`)"
+        if first is not None
+        else params.get("pinned.data.dataset", "–")
+    )
     lines = [
         f"# Ablation report: `{record.name}`",
         "",
@@ -59,9 +69,10 @@ def header(record: StudyRecord) -> str:
         f"{params.get('study.steps_per_trial', '–')} steps per trial",
         f"- **Trials:** {sum(trial_counts.values())} "
         f"({', '.join(f'{n} {s}' for s, n in sorted(trial_counts.items())) or 'none'}); "
-        f"baselines: {len(runs) - len(trials)}; all runs: {', '.join(f'{n} {s}' for s, n in sorted(counts.items())) or 'none'}",
+        f"baselines: {len(runs) - len(trials)}; "
+        f"all runs: {', '.join(f'{n} {s}' for s, n in sorted(counts.items())) or 'none'}",
         f"- **MLflow:** experiment `{record.name}`, parent run `{record.parent['run_id']}`",
-        f"- {GENERATED_PREFIX}{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- {GENERATED_PREFIX}{datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
         "",
         "Shared knobs pinned for every trial and baseline:",
         "",
@@ -75,18 +86,47 @@ def leaderboard(record: StudyRecord) -> str:
     if done.empty:
         return "## Leaderboard\n\nNo trial or baseline completed, so there is nothing to rank yet."
     measured = done[["measured_greedy", "measured_t1"]].notna().any().any()
-    headers = ["run", *SWEPT_KNOBS, "unary", "realized", "oracle", *(["measured T=0", "measured T=1"] if measured else []),
-               "selector gain", "oracle headroom", "recall@K", "target mass@K", "TF selector acc", "draft step ms", "params"]
-    rows = [[label(r), *[r[k] for k in SWEPT_KNOBS], r["unary_accepted_length"], r["realized_accepted_length"],
-             r["oracle_accepted_length"], *([r["measured_greedy"], r["measured_t1"]] if measured else []),
-             r["selector_gain"], r["oracle_headroom"], r["recall_at_k"], r["target_mass_at_k"],
-             r["teacher_forced_selector_acc"], r["draft_step_ms"], f"{int(r['parameters']):,}" if not math.isnan(r["parameters"]) else ""]
-            for _, r in done.sort_values(["realized_accepted_length", "run_name"], ascending=[False, True]).iterrows()]
-    note = ("Accepted lengths include the verified anchor. *unary*: the argmax path plain DFlash decoding realizes; "
-            "*realized*: the selector walk replayed for real; *oracle*: target inside the unary top-K at every slot. "
-            "Target mass@K is measured on the original unary top-K (no training-time injection). K is each run's `selector_top_k` "
-            "(DFlash: `metrics_top_k`). *Measured* columns, where present, are per-request mean acceptance of real speculative "
-            "decoding with the target (MT-bench + held-out chat prompts, `dflash-lab evaluate`).")
+    headers = [
+        "run",
+        *TUNED_KNOBS,
+        "unary",
+        "realized",
+        "oracle",
+        *(["measured T=0", "measured T=1"] if measured else []),
+        "selector gain",
+        "oracle headroom",
+        "recall@K",
+        "target mass@K",
+        "TF selector acc",
+        "draft step ms",
+        "params",
+    ]
+    rows = [
+        [
+            label(r),
+            *[r[k] for k in TUNED_KNOBS],
+            r["unary_accepted_length"],
+            r["realized_accepted_length"],
+            r["oracle_accepted_length"],
+            *([r["measured_greedy"], r["measured_t1"]] if measured else []),
+            r["selector_gain"],
+            r["oracle_headroom"],
+            r["recall_at_k"],
+            r["target_mass_at_k"],
+            r["teacher_forced_selector_acc"],
+            r["draft_step_ms"],
+            f"{int(r['parameters']):,}" if not math.isnan(r["parameters"]) else "",
+        ]
+        for _, r in done.sort_values(["realized_accepted_length", "run_name"], ascending=[False, True]).iterrows()
+    ]
+    note = (
+        "Accepted lengths include the verified anchor. *unary*: the argmax path plain DFlash decoding realizes; "
+        "*realized*: the selector walk replayed for real; *oracle*: target inside the unary top-K at every slot. "
+        "Target mass@K is measured on the original unary top-K (no training-time injection). "
+        "K is each run's `candidate_top_k`. *Measured* columns, where present, are per-request mean "
+        "acceptance of real speculative "
+        "decoding with the target (MT-bench + held-out chat prompts, `dflash-lab evaluate`)."
+    )
     return "## Leaderboard\n\n" + note + "\n\n" + table(headers, rows)
 
 
@@ -97,17 +137,32 @@ def knob_effects(record: StudyRecord, figure: str | None) -> str:
     if len(trials) < 2:
         parts.append(f"{len(trials)} completed trial(s): too few to estimate knob effects.")
         return "\n\n".join(parts)
-    for knob in SWEPT_KNOBS:
+    for knob in TUNED_KNOBS:
         values = trials[knob].replace("", pd.NA).dropna()
         if values.nunique() < 2:
             continue
-        grouped = trials.assign(value=trials[knob].astype(float)).groupby("value")["realized_accepted_length"].agg(["mean", "std", "count"])
-        parts.append(f"**{knob}** (realized accepted length, mean ± std over trials)\n\n" + table(
-            [knob, "mean", "std", "trials"], [[fmt_value(v), r["mean"], r["std"], int(r["count"])] for v, r in grouped.iterrows()]))
-    importances = {k.removeprefix("importance/"): v for k, v in record.parent["metrics"].items() if k.startswith("importance/")}
+        grouped = (
+            trials.assign(value=trials[knob].astype(float))
+            .groupby("value")["realized_accepted_length"]
+            .agg(["mean", "std", "count"])
+        )
+        parts.append(
+            f"**{knob}** (realized accepted length, mean ± std over trials)\n\n"
+            + table(
+                [knob, "mean", "std", "trials"],
+                [[fmt_value(v), r["mean"], r["std"], int(r["count"])] for v, r in grouped.iterrows()],
+            )
+        )
+    importances = {
+        k.removeprefix(tracking.IMPORTANCE_PREFIX): v
+        for k, v in record.parent["metrics"].items()
+        if k.startswith(tracking.IMPORTANCE_PREFIX)
+    }
     if importances:
-        parts.append("Optuna parameter importances (fANOVA on the objective):\n\n" + table(
-            ["knob", "importance"], [[k, v] for k, v in sorted(importances.items(), key=lambda kv: -kv[1])]))
+        parts.append(
+            "Optuna parameter importances (fANOVA on the objective):\n\n"
+            + table(["knob", "importance"], [[k, v] for k, v in sorted(importances.items(), key=lambda kv: -kv[1])])
+        )
     if figure:
         parts.append(f"![realized accepted length against each knob]({figure})")
     return "\n\n".join(parts)
@@ -118,7 +173,11 @@ def fmt_value(value: float) -> str:
 
 
 def positions(row: pd.Series, path: str) -> list[tuple[int, float]]:
-    return sorted((int(c.removeprefix(f"{path}_pos")), row[c]) for c in row.index if c.startswith(f"{path}_pos") and not pd.isna(row[c]))
+    return sorted(
+        (int(c.removeprefix(f"{path}_pos")), row[c])
+        for c in row.index
+        if c.startswith(f"{path}_pos") and not pd.isna(row[c])
+    )
 
 
 def best_and_dflash(record: StudyRecord) -> list[tuple[str, pd.Series]]:
@@ -126,8 +185,14 @@ def best_and_dflash(record: StudyRecord) -> list[tuple[str, pd.Series]]:
     chosen = []
     trials = done[done["role"] == "trial"] if not done.empty else done
     if not trials.empty:
-        chosen.append(("best trial " + str(trials.iloc[0]["trial"]), trials.sort_values("realized_accepted_length", ascending=False).iloc[0]))
-    dflash = done[(done["role"] == "baseline") & (done["baseline"] == "dflash")] if not done.empty else done
+        chosen.append(
+            (
+                "best trial " + str(trials.iloc[0]["trial"]),
+                trials.sort_values("realized_accepted_length", ascending=False).iloc[0],
+            )
+        )
+    is_reference = (done["role"] == tracking.ROLE_BASELINE) & (done["baseline"] == REFERENCE_ALGORITHM)
+    dflash = done[is_reference] if not done.empty else done
     if not dflash.empty:
         chosen.append(("DFlash baseline", dflash.sort_values("seed").iloc[0]))
     return chosen
@@ -139,17 +204,97 @@ def per_position(record: StudyRecord, figure: str | None) -> str:
     if not chosen:
         parts.append("No completed run to show.")
         return "\n\n".join(parts)
-    parts.append("Conditional on every earlier slot being accepted (the shape of the DFlash2 blog's Table 1). "
-                 "Recall@1 is the unary argmax path, Recall@K the unary top-K (oracle) path, and *realized* the selector walk.")
+    parts.append(
+        "Conditional on every earlier slot being accepted (the shape of the DFlash2 blog's Table 1). "
+        "Recall@1 is the unary argmax path, Recall@K the unary top-K (oracle) path, and *realized* the selector walk."
+    )
     for title, row in chosen:
         slots = [s for s, _ in positions(row, "unary")]
-        rows = [[f"Recall@1", *[v for _, v in positions(row, "unary")], row["unary_accepted_length"]],
-                [f"Recall@{row['top_k']}", *[v for _, v in positions(row, "oracle")], row["oracle_accepted_length"]],
-                ["realized", *[v for _, v in positions(row, "realized")], row["realized_accepted_length"]]]
-        parts.append(f"**{title}** ({row['run_name']})\n\n" + table(["", *[f"pos {s}" for s in slots], "accepted length"], rows))
+        rows = [
+            ["Recall@1", *[v for _, v in positions(row, "unary")], row["unary_accepted_length"]],
+            [f"Recall@{row['top_k']}", *[v for _, v in positions(row, "oracle")], row["oracle_accepted_length"]],
+            ["realized", *[v for _, v in positions(row, "realized")], row["realized_accepted_length"]],
+        ]
+        parts.append(
+            f"**{title}** ({row['run_name']})\n\n" + table(["", *[f"pos {s}" for s in slots], "accepted length"], rows)
+        )
     if figure:
         parts.append(f"![per-position conditional acceptance]({figure})")
     return "\n\n".join(parts)
+
+
+def seed_interval(values: pd.Series, confidence: float = 0.95) -> tuple[float, float, float]:
+    """Mean and the t-interval over seeds (nan bounds with fewer than two)."""
+    from scipy import stats
+
+    mean = float(values.mean())
+    if len(values) < 2:
+        return mean, float("nan"), float("nan")
+    half = float(stats.t.ppf(0.5 + confidence / 2, len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values)))
+    return mean, mean - half, mean + half
+
+
+def component_ablation(record: StudyRecord) -> str | None:
+    """Each registered variant run as a baseline: accepted lengths over seeds, and its gain over the
+    reference algorithm paired by seed. None when the study ran fewer than two variants."""
+    done = completed(record)
+    variants = done[(done["role"] == tracking.ROLE_BASELINE) & done["baseline"].isin(list(ALGORITHMS))]
+    names = [name for name in ALGORITHMS if name in set(variants["baseline"])]
+    if len(names) < 2:
+        return None
+    metrics = ("unary_accepted_length", "realized_accepted_length", "oracle_accepted_length")
+    rows = []
+    for name in names:
+        runs = variants[variants["baseline"] == name]
+        cells = [
+            f"{fmt(runs[m].mean(), 3)} ± {fmt(runs[m].std() if len(runs) > 1 else float('nan'), 3)}" for m in metrics
+        ]
+        rows.append([f"`{name}`", ALGORITHMS[name].description, len(runs), *cells])
+    parts = [
+        "## Component ablation",
+        "Every variant shares the study's pinned shared knobs and the base's conv and selector knobs; "
+        "values are the mean ± standard deviation over seeds of the final validation.",
+        table(["variant", "components", "seeds", "unary", "realized", "oracle"], rows),
+    ]
+    reference = variants[variants["baseline"] == REFERENCE_ALGORITHM].set_index("seed")
+    if reference.empty:
+        return "\n\n".join(parts)
+    gains = []
+    for name in names:
+        if name == REFERENCE_ALGORITHM:
+            continue
+        runs = variants[variants["baseline"] == name].set_index("seed")
+        seeds = sorted(set(runs.index) & set(reference.index))
+        for metric in ("realized_accepted_length", "unary_accepted_length"):
+            paired = runs.loc[seeds, metric] - reference.loc[seeds, metric]
+            mean, low, high = seed_interval(paired)
+            if math.isnan(low):
+                verdict = "one seed: no interval"
+            elif low <= 0 <= high:
+                verdict = "not distinguishable from noise at this budget"
+            else:
+                verdict = "gain" if mean > 0 else "loss"
+            interval = "–" if math.isnan(low) else f"[{low:+.3f}, {high:+.3f}]"
+            gains.append(
+                [
+                    f"`{name}` − `{REFERENCE_ALGORITHM}`",
+                    metric.split("_")[0],
+                    len(seeds),
+                    f"{mean:+.3f}",
+                    interval,
+                    verdict,
+                ]
+            )
+    parts += [
+        f"Gain of each variant over `{REFERENCE_ALGORITHM}`, paired by seed, with the 95% t-interval over seeds "
+        "(the spread between seeds is the noise here; within-run anchor noise is not yet included):",
+        table(["difference", "accepted length", "seeds", "mean", "95% interval", "verdict"], gains),
+    ]
+    return "\n\n".join(parts)
+
+
+def has_selector(algorithm: str) -> bool:
+    return algorithm in ALGORITHMS and ALGORITHMS[algorithm].has_selector
 
 
 def verdicts(record: StudyRecord) -> str:
@@ -158,30 +303,44 @@ def verdicts(record: StudyRecord) -> str:
     lines = ["## Verdicts"]
     if done.empty:
         return "## Verdicts\n\n- No completed runs: no verdict can be drawn."
-    dflash2 = done[done["algorithm"] == "dflash2"]
-    if not dflash2.empty:
-        best = dflash2.sort_values("realized_accepted_length", ascending=False).iloc[0]
-        gain = best["selector_gain"]
-        relative = 100 * gain / best["unary_accepted_length"] if best["unary_accepted_length"] else float("nan")
+    selector_runs = done[done["algorithm"].map(has_selector)]
+    if not selector_runs.empty:
+        best = selector_runs.sort_values("realized_accepted_length", ascending=False).iloc[0]
+        gain, unary = best["selector_gain"], best["unary_accepted_length"]
+        relative = 100 * gain / unary if unary else float("nan")
         verb = "beats" if gain > 0 else ("ties" if gain == 0 else "trails")
-        spread = dflash2["selector_gain"]
-        lines.append(f"- The selector {verb} unary decoding on the best DFlash2 run ({label(best)}): realized {fmt(best['realized_accepted_length'])} "
-                     f"vs unary {fmt(best['unary_accepted_length'])} ({fmt(gain)}, {relative:+.1f}%). Across {len(dflash2)} completed DFlash2 runs the gain "
-                     f"is {fmt(spread.mean())} ± {fmt(spread.std() if len(spread) > 1 else 0.0)}, positive in {int((spread > 0).sum())}.")
-        lines.append(f"- Oracle headroom on that run: {fmt(best['oracle_headroom'])} tokens per cycle (oracle {fmt(best['oracle_accepted_length'])}): "
-                     + ("a better re-ranker of the same candidates could still gain this much." if best["oracle_headroom"] > 0.05 else "the selector is close to the top-K ceiling."))
-    dflash = done[done["algorithm"] == "dflash"]
-    if not dflash.empty and not dflash2.empty:
-        d1 = dflash["realized_accepted_length"]
-        best_value = dflash2["realized_accepted_length"].max()
-        seeds = f" (DFlash over {len(d1)} seeds: {fmt(d1.mean())} ± {fmt(d1.std())})" if len(d1) > 1 else ""
-        lines.append(f"- Best DFlash2 realized {fmt(best_value)} vs DFlash baseline {fmt(d1.mean())}{seeds}: "
-                     f"{'DFlash2 ahead' if best_value > d1.mean() else 'DFlash ahead or equal'} by {fmt(abs(best_value - d1.mean()))}.")
-        defaults = done[(done["baseline"] == "dflash2_defaults")]
-        if len(defaults) > 1 and len(d1) > 1:
-            lines.append(f"- Published-default DFlash2 across {len(defaults)} seeds: {fmt(defaults['realized_accepted_length'].mean())} ± "
-                         f"{fmt(defaults['realized_accepted_length'].std())}.")
-    importances = {k.removeprefix("importance/"): v for k, v in record.parent["metrics"].items() if k.startswith("importance/")}
+        spread = selector_runs["selector_gain"]
+        lines.append(
+            f"- The selector {verb} unary decoding on the best selector run ({label(best)}): "
+            f"realized {fmt(best['realized_accepted_length'])} vs unary {fmt(unary)} ({fmt(gain)}, {relative:+.1f}%). "
+            f"Across {len(selector_runs)} completed selector runs the gain is {fmt(spread.mean())} ± "
+            f"{fmt(spread.std() if len(spread) > 1 else 0.0)}, positive in {int((spread > 0).sum())}."
+        )
+        headroom_note = (
+            "a better re-ranker of the same candidates could still gain this much."
+            if best["oracle_headroom"] > 0.05
+            else "the selector is close to the top-K ceiling."
+        )
+        lines.append(
+            f"- Oracle headroom on that run: {fmt(best['oracle_headroom'])} tokens per cycle "
+            f"(oracle {fmt(best['oracle_accepted_length'])}): {headroom_note}"
+        )
+    reference = done[done["algorithm"] == REFERENCE_ALGORITHM]
+    if not reference.empty and not selector_runs.empty:
+        d1 = reference["realized_accepted_length"]
+        best_value = selector_runs["realized_accepted_length"].max()
+        seeds = f" (over {len(d1)} seeds: {fmt(d1.mean())} ± {fmt(d1.std())})" if len(d1) > 1 else ""
+        ahead = "the selector run ahead" if best_value > d1.mean() else f"{REFERENCE_ALGORITHM} ahead or equal"
+        lines.append(
+            f"- Best selector run realized {fmt(best_value)} vs {REFERENCE_ALGORITHM} baseline "
+            f"{fmt(d1.mean())}{seeds}: "
+            f"{ahead} by {fmt(abs(best_value - d1.mean()))}."
+        )
+    importances = {
+        k.removeprefix(tracking.IMPORTANCE_PREFIX): v
+        for k, v in record.parent["metrics"].items()
+        if k.startswith(tracking.IMPORTANCE_PREFIX)
+    }
     if importances:
         knob, value = max(importances.items(), key=lambda kv: kv[1])
         lines.append(f"- The knob that mattered most (Optuna importance): `{knob}` ({fmt(value, 3)}).")
@@ -193,8 +352,11 @@ def problems(record: StudyRecord) -> str:
     bad = runs[runs["status"].isin(["pruned", "failed", "infeasible", "running"])] if not runs.empty else runs
     if bad.empty:
         return "## Pruned, infeasible and failed runs\n\nNone."
-    rows = [[label(r), r["status"], r["reason"] or "–", *[r[k] for k in SWEPT_KNOBS]] for _, r in bad.sort_values("run_name").iterrows()]
-    return "## Pruned, infeasible and failed runs\n\n" + table(["run", "status", "reason", *SWEPT_KNOBS], rows)
+    rows = [
+        [label(r), r["status"], r["reason"] or "–", *[r[k] for k in TUNED_KNOBS]]
+        for _, r in bad.sort_values("run_name").iterrows()
+    ]
+    return "## Pruned, infeasible and failed runs\n\n" + table(["run", "status", "reason", *TUNED_KNOBS], rows)
 
 
 def knob_figure(record: StudyRecord, path: Path) -> bool:
@@ -205,13 +367,17 @@ def knob_figure(record: StudyRecord, path: Path) -> bool:
 
     trials = completed(record)
     trials = trials[trials["role"] == "trial"] if not trials.empty else trials
-    knobs = [k for k in SWEPT_KNOBS if not trials.empty and trials[k].replace("", pd.NA).dropna().nunique() >= 2]
+    knobs = [k for k in TUNED_KNOBS if not trials.empty and trials[k].replace("", pd.NA).dropna().nunique() >= 2]
     if len(trials) < 2 or not knobs:
         return False
     fig, axes = plt.subplots(1, len(knobs), figsize=(3.2 * len(knobs), 3), squeeze=False)
-    for axis, knob in zip(axes[0], knobs):
+    for axis, knob in zip(axes[0], knobs, strict=True):
         x = trials[knob].astype(float)
-        for metric, marker in (("unary_accepted_length", "s"), ("realized_accepted_length", "o"), ("oracle_accepted_length", "^")):
+        for metric, marker in (
+            ("unary_accepted_length", "s"),
+            ("realized_accepted_length", "o"),
+            ("oracle_accepted_length", "^"),
+        ):
             axis.scatter(x, trials[metric], marker=marker, label=metric.split("_")[0], alpha=0.8)
         axis.set_xlabel(knob)
         if knob in ("selector_rank", "selector_loss_alpha", "conv_group_size"):
@@ -234,7 +400,7 @@ def position_figure(record: StudyRecord, path: Path) -> bool:
     if not chosen:
         return False
     fig, axis = plt.subplots(figsize=(6, 3.5))
-    for (title, row), style in zip(chosen, ("-", "--")):
+    for (title, row), style in zip(chosen, ("-", "--"), strict=False):
         for path_name, name in (("unary", "Recall@1"), ("oracle", f"Recall@{row['top_k']}"), ("realized", "realized")):
             points = positions(row, path_name)
             axis.plot([s for s, _ in points], [v for _, v in points], style, marker="o", label=f"{title}: {name}")
@@ -252,8 +418,20 @@ def render(record: StudyRecord, out_dir: Path) -> str:
     out_dir.mkdir(parents=True, exist_ok=True)
     knobs_png = "knob_effects.png" if knob_figure(record, out_dir / "knob_effects.png") else None
     positions_png = "per_position.png" if position_figure(record, out_dir / "per_position.png") else None
-    return "\n\n".join([header(record), leaderboard(record), knob_effects(record, knobs_png), per_position(record, positions_png),
-                        verdicts(record), problems(record)]) + "\n"
+    return (
+        "\n\n".join(
+            [
+                header(record),
+                leaderboard(record),
+                *filter(None, [component_ablation(record)]),
+                knob_effects(record, knobs_png),
+                per_position(record, positions_png),
+                verdicts(record),
+                problems(record),
+            ]
+        )
+        + "\n"
+    )
 
 
 def render_comparison(first: StudyRecord, second: StudyRecord) -> str:
@@ -262,12 +440,48 @@ def render_comparison(first: StudyRecord, second: StudyRecord) -> str:
     for record in (first, second):
         done = completed(record)
         best = done.sort_values("realized_accepted_length", ascending=False).iloc[0] if not done.empty else None
-        rows.append([record.name, len(record.runs), len(done),
-                     label(best) if best is not None else "–",
-                     *([best[m] for m in ("unary_accepted_length", "realized_accepted_length", "oracle_accepted_length", "selector_gain", "oracle_headroom")]
-                       if best is not None else ["–"] * 5)])
-    lines = [f"# Comparison: `{first.name}` vs `{second.name}`", "", f"- {GENERATED_PREFIX}{datetime.now(timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}", "",
-             table(["study", "runs", "completed", "best run", "unary", "realized", "oracle", "selector gain", "oracle headroom"], rows)]
+        rows.append(
+            [
+                record.name,
+                len(record.runs),
+                len(done),
+                label(best) if best is not None else "–",
+                *(
+                    [
+                        best[m]
+                        for m in (
+                            "unary_accepted_length",
+                            "realized_accepted_length",
+                            "oracle_accepted_length",
+                            "selector_gain",
+                            "oracle_headroom",
+                        )
+                    ]
+                    if best is not None
+                    else ["–"] * 5
+                ),
+            ]
+        )
+    lines = [
+        f"# Comparison: `{first.name}` vs `{second.name}`",
+        "",
+        f"- {GENERATED_PREFIX}{datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        "",
+        table(
+            [
+                "study",
+                "runs",
+                "completed",
+                "best run",
+                "unary",
+                "realized",
+                "oracle",
+                "selector gain",
+                "oracle headroom",
+            ],
+            rows,
+        ),
+    ]
     for record in (first, second):
         lines += ["", f"## `{record.name}`", "", leaderboard(record).split("\n", 2)[2]]
     return "\n".join(lines) + "\n"

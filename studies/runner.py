@@ -17,13 +17,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import mlflow
 import optuna
+import torch
 
+from algorithms import AlgorithmConfig
+from algorithms.metrics import ACCEPTED_LENGTHS, REALIZED_ACCEPTED_LENGTH
 from algorithms.registry import draft_config
 from harness import tracking
 from harness.config import RunConfig
-from harness.train import Workspace, prepare_workspace, run_directory, train, with_target_defaults
-from studies.schema import StudyDefinition, StudyDefinitionError, default_dflash2_knobs
+from harness.evaluate import evaluate, log_evaluation
+from harness.run import Run
+from harness.tracking import RunStatus
+from harness.train import ValidationHook, Workspace, prepare_workspace, restore_draft, train, with_target_defaults
+from studies.schema import PUBLISHED_SUFFIX, StudyDefinition, StudyDefinitionError
 
 log = logging.getLogger(__name__)
 ATTR_PARENT_RUN = "mlflow_parent_run_id"
@@ -36,7 +43,7 @@ ATTR_INTERRUPTED = "interrupted_trials"  # study attr: failed trials whose worke
 ATTR_EVALUATED = "evaluated_trials"  # study attr: trials whose draft was already evaluated by speculative decoding
 ATTR_WORKER = "worker"
 ATTR_ORIGIN = "origin_trial"  # the first trial number of a retried config: its run name, so the run resumes
-TAG_BASELINE = "dflash_lab.baseline"
+ATTR_BASELINES_DONE = "baselines_done"  # study attr: baseline run names that finished
 
 
 def storage_url(workdir: Path, storage: str | None) -> str:
@@ -122,24 +129,35 @@ def finished_count(study: optuna.Study) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False, states=states) if t.number not in interrupted)
 
 
-def trial_config(
-    definition: StudyDefinition, params: dict, algorithm: str = "dflash2", seed: int | None = None
-) -> RunConfig:
+def with_budget(definition: StudyDefinition, algorithm: AlgorithmConfig, seed: int | None = None) -> RunConfig:
+    """A run of the study: its data, target and training knobs at the study's step budget and `seed`."""
     base = definition.base
     train_config = dataclasses.replace(
         base.train, max_steps=definition.steps_per_trial, seed=base.train.seed if seed is None else seed
     )
-    if algorithm == "dflash":
-        knobs = base.to_dict()
-        knobs.update(
-            algorithm="dflash",
-            knobs={"metrics_top_k": params.get("selector_top_k", base.algorithm.knobs.selector_top_k)},
-        )
-        config = RunConfig.from_dict(knobs)
-    else:
-        config = RunConfig(base.algorithm.replace(**params), base.train, base.data, base.target)
-    config.train = train_config
-    return config
+    return RunConfig(algorithm, train_config, base.data, base.target)
+
+
+def trial_config(definition: StudyDefinition, params: dict) -> RunConfig:
+    """The base config with the sampler's knob values."""
+    return with_budget(definition, definition.base.algorithm.replace(**params))
+
+
+def baseline_config(definition: StudyDefinition, baseline: str, seed: int) -> RunConfig:
+    """`NAME`: the base's knobs where NAME has them; `NAME_defaults`: NAME's published knobs. Shared knobs pinned."""
+    name = baseline.removesuffix(PUBLISHED_SUFFIX)
+    algorithm = definition.base.algorithm.with_algorithm(name)
+    if baseline.endswith(PUBLISHED_SUFFIX):
+        algorithm = AlgorithmConfig(name, algorithm.shared, algorithm.entry.knobs_class())
+    return with_budget(definition, algorithm, seed)
+
+
+def trial_run_name(study: str, number: int) -> str:
+    return f"{study}-trial-{number}"
+
+
+def baseline_run_name(study: str, baseline: str, seed: int) -> str:
+    return f"{study}-baseline-{baseline}-seed{seed}"
 
 
 @dataclass
@@ -155,12 +173,11 @@ class StudyRunner:
         return self.workspace.workdir
 
     def _run(self, config: RunConfig, run_name: str, tags: dict, on_validation=None):
-        resume = (run_directory(self.workdir, run_name) / "checkpoint.pt").exists()
         return train(
             config,
             self.workspace,
             run_name=run_name,
-            resume=resume,
+            resume=Run(self.workdir, run_name).has_checkpoint(),
             device=self.device,
             tags={tracking.TAG_STUDY: self.definition.name, **tags},
             parent_run_id=self.parent_run_id,
@@ -169,44 +186,55 @@ class StudyRunner:
         )
 
     def run_baselines(self) -> None:
-        """Plain DFlash with the same shared knobs, and DFlash2 at the published knob values; per seed; once."""
-        done = self.study.user_attrs.get("baselines_done", [])
-        defaults = {k: v for k, v in default_dflash2_knobs().items() if k != "selector_init"}
+        """Each baseline with the study's pinned shared knobs, per seed, once."""
+        done = self.study.user_attrs.get(ATTR_BASELINES_DONE, [])
         for seed in self.definition.seeds:
             for baseline in self.definition.baselines:
-                name = f"{self.definition.name}-baseline-{baseline}-seed{seed}"
+                name = baseline_run_name(self.definition.name, baseline, seed)
                 if name in done:
                     continue
-                algorithm = "dflash" if baseline == "dflash" else "dflash2"
-                config = trial_config(self.definition, defaults, algorithm, seed)
-                print(
-                    f"[baseline] {baseline} seed {seed}: {config.algorithm.algorithm} "
-                    f"{defaults if algorithm == 'dflash2' else ''}",
-                    flush=True,
-                )
-                result = self._run(config, name, {TAG_BASELINE: baseline, tracking.TAG_ROLE: "baseline"})
+                config = baseline_config(self.definition, baseline, seed)
+                knobs = dataclasses.asdict(config.algorithm.knobs)
+                print(f"[baseline] {baseline} seed {seed}: {config.algorithm.algorithm} {knobs}", flush=True)
+                tags = {tracking.TAG_BASELINE: baseline, tracking.TAG_ROLE: tracking.ROLE_BASELINE}
+                result = self._run(config, name, tags)
                 print(f"[baseline] {baseline} seed {seed}: " + _summary(result.validation), flush=True)
                 done = [*done, name]
-                self.study.set_user_attr("baselines_done", done)
+                self.study.set_user_attr(ATTR_BASELINES_DONE, done)
 
-    def objective(self, trial: optuna.Trial):
+    def suggest(self, trial: optuna.Trial) -> dict:
+        """The sampler's values for every dimension of the search space."""
         params = {}
         for dim in self.definition.search_space:
             if dim.kind == "categorical":
                 params[dim.knob] = trial.suggest_categorical(dim.knob, dim.choices)
             elif dim.kind == "int":
-                params[dim.knob] = trial.suggest_int(
-                    dim.knob, int(dim.low), int(dim.high), log=dim.log, step=dim.step or 1
-                )
+                step = dim.step or 1
+                params[dim.knob] = trial.suggest_int(dim.knob, int(dim.low), int(dim.high), log=dim.log, step=step)
             else:
                 params[dim.knob] = trial.suggest_float(dim.knob, float(dim.low), float(dim.high), log=dim.log)
-        number = trial.user_attrs.get(ATTR_ORIGIN, trial.number)
+        return params
+
+    def pruning_hook(self, trial: optuna.Trial) -> ValidationHook:
+        """Report each validation to Optuna; a returned reason stops the run as pruned."""
+
+        def on_validation(step: int, metrics: dict[str, float]) -> str | None:
+            realized = metrics[REALIZED_ACCEPTED_LENGTH]
+            trial.report(realized, step)
+            if len(self.definition.objectives) == 1 and trial.should_prune():
+                return f"pruned by {type(self.study.pruner).__name__} at step {step} (realized {realized:.3f})"
+            return None
+
+        return on_validation
+
+    def objective(self, trial: optuna.Trial):
+        params = self.suggest(trial)
         config = trial_config(self.definition, params)
-        tags = {tracking.TAG_TRIAL: str(trial.number), tracking.TAG_ROLE: "trial"}
+        tags = {tracking.TAG_TRIAL: str(trial.number), tracking.TAG_ROLE: tracking.ROLE_TRIAL}
         try:
             draft_config(with_target_defaults(config, self.workspace.target).algorithm, self.workspace.target.spec)
         except ValueError as error:
-            self._record_infeasible(trial, params, tags, str(error))
+            self._record_infeasible(trial, config, tags, str(error))
             raise optuna.TrialPruned(f"infeasible: {error}") from None
 
         trial.set_user_attr(ATTR_WORKER, f"{socket.gethostname()}:{os.getpid()}")
@@ -215,19 +243,11 @@ class StudyRunner:
             if duplicate is not None:  # two workers raced for the last grid cell
                 trial.set_user_attr(ATTR_PRUNED, f"duplicate grid cell, evaluated by trial {duplicate}")
                 raise optuna.TrialPruned(f"duplicate grid cell, evaluated by trial {duplicate}")
-        eta = self._eta()
-        print(f"[trial {trial.number}] {params}{eta}", flush=True)
+        print(f"[trial {trial.number}] {params}{self._eta()}", flush=True)
         started = time.time()
-
-        def on_validation(step: int, metrics: dict[str, float]) -> str | None:
-            trial.report(metrics["realized_accepted_length"], step)
-            if len(self.definition.objectives) == 1 and trial.should_prune():
-                realized = metrics["realized_accepted_length"]
-                return f"pruned by {type(self.study.pruner).__name__} at step {step} (realized {realized:.3f})"
-            return None
-
+        run_name = trial_run_name(self.definition.name, trial.user_attrs.get(ATTR_ORIGIN, trial.number))
         try:
-            result = self._run(config, f"{self.definition.name}-trial-{number}", tags, on_validation)
+            result = self._run(config, run_name, tags, self.pruning_hook(trial))
         except Exception as error:
             trial.set_user_attr(ATTR_FAIL_REASON, f"{type(error).__name__}: {error}")
             print(f"[trial {trial.number}] failed: {type(error).__name__}: {error}", flush=True)
@@ -252,25 +272,18 @@ class StudyRunner:
                 return other.number
         return None
 
-    def _record_infeasible(self, trial: optuna.Trial, params: dict, tags: dict, reason: str) -> None:
-        import mlflow
-
+    def _record_infeasible(self, trial: optuna.Trial, config: RunConfig, tags: dict, reason: str) -> None:
         trial.set_user_attr(ATTR_INFEASIBLE, reason)
-        print(f"[trial {trial.number}] infeasible {params}: {reason}", flush=True)
-        with mlflow.start_run(
-            run_name=f"{self.definition.name}-trial-{trial.number}",
-            parent_run_id=self.parent_run_id,
-            nested=True,
-            experiment_id=mlflow.get_experiment_by_name(self.definition.name).experiment_id,
-            tags={
-                tracking.TAG_STUDY: self.definition.name,
-                **tags,
-                tracking.TAG_STATUS_REASON: f"infeasible: {reason}",
-            },
-        ) as run:
-            mlflow.log_params({f"algo.{k}": v for k, v in params.items()})
-            trial.set_user_attr(ATTR_RUN_ID, run.info.run_id)
-        mlflow.MlflowClient().set_terminated(run.info.run_id, status="KILLED")
+        print(f"[trial {trial.number}] infeasible {trial.params}: {reason}", flush=True)
+        run = Run(self.workdir, trial_run_name(self.definition.name, trial.number), self.definition.name)
+        run_id = run.record_without_training(
+            {tracking.TAG_STUDY: self.definition.name, **tags},
+            config.flat_params(),
+            self.parent_run_id,
+            RunStatus.INFEASIBLE,
+            reason,
+        )
+        trial.set_user_attr(ATTR_RUN_ID, run_id)
 
     def _eta(self) -> str:
         durations = [
@@ -308,11 +321,6 @@ class StudyRunner:
 
     def evaluate_best(self) -> None:
         """Opt-in: real speculative decoding for the best N completed trials, logged into their runs."""
-        import torch
-
-        from harness.evaluate import evaluate, log_evaluation
-        from harness.train import build_for_target
-
         if not self.definition.evaluate_best or len(self.definition.objectives) > 1:
             return
         done = sorted(
@@ -321,13 +329,9 @@ class StudyRunner:
         for trial in done[: self.definition.evaluate_best]:
             if trial.number in self.study.user_attrs.get(ATTR_EVALUATED, []):
                 continue
-            run_dir = run_directory(
-                self.workdir, f"{self.definition.name}-trial-{trial.user_attrs.get(ATTR_ORIGIN, trial.number)}"
-            )
-            state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
-            config = RunConfig.from_dict(state["config"])
-            draft = build_for_target(config, self.workspace.target).to(self.device)
-            draft.load_state_dict(state["model"])
+            name = trial_run_name(self.definition.name, trial.user_attrs.get(ATTR_ORIGIN, trial.number))
+            run = Run(self.workdir, name, self.definition.name)
+            draft, _, _ = restore_draft(run, self.workspace.target, self.device)
             print(
                 f"[evaluate] trial {trial.number}: speculative decoding on MT-bench and held-out chat prompts",
                 flush=True,
@@ -335,20 +339,18 @@ class StudyRunner:
             metrics, records = evaluate(
                 self.workspace.target, draft, self.workspace.data.validation, self.definition.evaluation
             )
-            log_evaluation(self.workdir, state["run_id"], metrics, records, run_dir)
+            log_evaluation(run, metrics, records)
             self.study.set_user_attr(ATTR_EVALUATED, [*self.study.user_attrs.get(ATTR_EVALUATED, []), trial.number])
 
     def finalize(self) -> dict:
         """Best values and importances on the parent run; returns the summary printed to the user."""
-        import mlflow
-
         summary: dict = {"study": self.definition.name, "trials": {}}
         for state in optuna.trial.TrialState:
             count = len(self.study.get_trials(deepcopy=False, states=(state,)))
             if count:
                 summary["trials"][state.name.lower()] = count
         completed = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-        client = mlflow.MlflowClient()
+        client = tracking.client(self.workdir)
         if completed:
             if len(self.definition.objectives) == 1:
                 best = self.study.best_trial
@@ -358,8 +360,9 @@ class StudyRunner:
                     "params": best.params,
                     "mlflow_run_id": best.user_attrs.get(ATTR_RUN_ID),
                 }
-                client.log_metric(self.parent_run_id, f"best/{self.definition.objectives[0]}", best.value)
-                client.set_tag(self.parent_run_id, "dflash_lab.best_trial", str(best.number))
+                objective = self.definition.objectives[0]
+                client.log_metric(self.parent_run_id, f"{tracking.BEST_PREFIX}{objective}", best.value)
+                client.set_tag(self.parent_run_id, tracking.TAG_BEST_TRIAL, str(best.number))
             else:
                 summary["pareto_front"] = [
                     {"trial": t.number, "values": t.values, "params": t.params} for t in self.study.best_trials
@@ -372,7 +375,7 @@ class StudyRunner:
                 importances, summary["importance_note"] = {}, f"not computable: {error}"
             summary["importances"] = importances
             for knob, value in importances.items():
-                client.log_metric(self.parent_run_id, f"importance/{knob}", value)
+                client.log_metric(self.parent_run_id, f"{tracking.IMPORTANCE_PREFIX}{knob}", value)
         path = self.workdir / "studies" / self.definition.name / "summary.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2, default=str))
@@ -381,43 +384,44 @@ class StudyRunner:
 
 
 def _summary(values: dict[str, float]) -> str:
-    return " ".join(
-        f"{name.split('_accepted')[0]}={values[name]:.3f}"
-        for name in ("unary_accepted_length", "realized_accepted_length", "oracle_accepted_length")
-        if name in values
-    )
+    return " ".join(f"{name.split('_accepted')[0]}={values[name]:.3f}" for name in ACCEPTED_LENGTHS if name in values)
 
 
 def ensure_parent_run(definition: StudyDefinition, study: optuna.Study, workdir: Path) -> str:
     """The study's MLflow parent run (created once, with the definition as an artifact)."""
-    import mlflow
-
     experiment_id = tracking.configure(workdir, definition.name)
     existing = study.user_attrs.get(ATTR_PARENT_RUN)
     if existing:
         return existing
-    client = mlflow.MlflowClient()
+    client = tracking.client(workdir)
     run = client.create_run(
         experiment_id,
         run_name=f"study-{definition.name}",
         tags={
             tracking.TAG_STUDY: definition.name,
-            tracking.TAG_ROLE: "study",
-            "dflash_lab.objectives": ",".join(definition.objectives),
+            tracking.TAG_ROLE: tracking.ROLE_STUDY,
+            tracking.TAG_OBJECTIVES: ",".join(definition.objectives),
         },
     )
     params = {
-        **{f"pinned.{k}": v for k, v in definition.base.flat_params().items()},
-        "pinned.target": definition.base.target,
-        "study.sampler": definition.sampler,
-        "study.pruner": definition.pruner,
-        "study.n_trials": definition.n_trials,
-        "study.steps_per_trial": definition.steps_per_trial,
-        "study.objectives": ",".join(definition.objectives),
-        "study.search_space": json.dumps({d.knob: dataclasses.asdict(d) for d in definition.search_space}),
+        **{f"{tracking.PINNED_PREFIX}{k}": v for k, v in definition.base.flat_params().items()},
+        f"{tracking.PINNED_PREFIX}target": definition.base.target,
+        **{
+            f"{tracking.STUDY_PREFIX}{k}": v
+            for k, v in {
+                "sampler": definition.sampler,
+                "pruner": definition.pruner,
+                "n_trials": definition.n_trials,
+                "steps_per_trial": definition.steps_per_trial,
+                "objectives": ",".join(definition.objectives),
+                "search_space": json.dumps({d.knob: dataclasses.asdict(d) for d in definition.search_space}),
+                "baselines": ",".join(definition.baselines),
+                "seeds": ",".join(map(str, definition.seeds)),
+            }.items()
+        },
     }
-    for key, value in params.items():
-        client.log_param(run.info.run_id, key, "None" if value is None else value)
+    for key, value in tracking.stringified(params).items():
+        client.log_param(run.info.run_id, key, value)
     definition_path = workdir / "studies" / definition.name / "study.yaml"
     definition_path.parent.mkdir(parents=True, exist_ok=True)
     definition_path.write_text(definition.source_text)
@@ -457,9 +461,6 @@ def launch(
     worker: bool = False,
 ) -> dict:
     """Create or resume the study, run baselines (launcher only) and trials, and summarise."""
-    import mlflow
-    import torch
-
     url = storage_url(workdir, storage)
     tracking.configure(workdir, definition.name)
     study = open_study(definition, url)
@@ -479,5 +480,5 @@ def launch(
         return {"study": definition.name, "worker": True}
     runner.evaluate_best()
     summary = runner.finalize()
-    mlflow.MlflowClient().set_terminated(parent, status="FINISHED")
+    tracking.client(workdir).set_terminated(parent, status=RunStatus.FINISHED.mlflow_status)
     return summary

@@ -9,15 +9,20 @@ from typing import Any
 
 import yaml
 
-from algorithms.knobs import DFlash2Knobs, SharedKnobs
+from algorithms import ALGORITHMS, SharedKnobs, algorithm_entry
 from harness.config import RunConfig
 from harness.evaluate import EvalConfig
 
-SWEPT_KNOBS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha")
 OBJECTIVES = {"realized_accepted_length": "maximize", "draft_step_ms": "minimize"}
 SAMPLERS = ("tpe", "grid", "random")
 PRUNERS = ("median", "hyperband", "none")
-BASELINES = ("dflash", "dflash2_defaults")
+# A baseline runs a registered algorithm with the study's pinned shared knobs. `NAME` takes the base's
+# algorithm knobs where NAME has them (a component ablation); `NAME_defaults` takes NAME's published ones.
+PUBLISHED_SUFFIX = "_defaults"
+BASELINES = (*ALGORITHMS, *(f"{name}{PUBLISHED_SUFFIX}" for name in ALGORITHMS))
+DEFAULT_BASELINES = ("dflash", f"dflash2{PUBLISHED_SUFFIX}")
+BUDGET_KEYS = ("n_trials", "timeout_s", "steps_per_trial")
+EVALUATE_KEYS = ("best_trials", "num_prompts", "max_new_tokens", "temperatures")
 
 
 class StudyDefinitionError(ValueError):
@@ -64,7 +69,7 @@ class StudyDefinition:
     n_trials: int = 8
     timeout_s: float | None = None
     steps_per_trial: int = 100
-    baselines: list[str] = field(default_factory=lambda: list(BASELINES))
+    baselines: list[str] = field(default_factory=lambda: list(DEFAULT_BASELINES))
     seeds: list[int] = field(default_factory=lambda: [0])
     description: str = ""
     source_text: str = ""
@@ -82,10 +87,10 @@ def _require_mapping(path: str, name: str, value: Any) -> dict:
     return value
 
 
-def _dimension(path: str, knob: str, spec: Any) -> Dimension:
+def _dimension(path: str, knob: str, spec: Any, tuned: tuple[str, ...]) -> Dimension:
     where = f"search_space.{knob}"
-    if knob not in SWEPT_KNOBS:
-        raise _fail(path, "search_space", knob, f"knobs from {list(SWEPT_KNOBS)}")
+    if knob not in tuned:
+        raise _fail(path, "search_space", knob, f"knobs from {list(tuned)}")
     if isinstance(spec, list):
         spec = {"type": "categorical", "choices": spec}
     spec = _require_mapping(path, where, spec)
@@ -131,10 +136,8 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
 
     base = _require_mapping(path, "base", data.get("base"))
     algorithm = base.get("algorithm")
-    if algorithm != "dflash2":
-        raise _fail(
-            path, "base.algorithm", algorithm, "'dflash2' (the swept knobs are DFlash2's; dflash runs as a baseline)"
-        )
+    if algorithm not in ALGORITHMS:
+        raise _fail(path, "base.algorithm", algorithm, f"one of {list(ALGORITHMS)}")
     shared = _require_mapping(path, "base.shared", base.get("shared"))
     missing = [f.name for f in dataclasses.fields(SharedKnobs) if f.name not in shared]
     if missing:
@@ -152,7 +155,8 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
         raise StudyDefinitionError(f"{path}: base: {error}") from None
 
     space = _require_mapping(path, "search_space", data.get("search_space", {}))
-    dimensions = [_dimension(path, knob, spec) for knob, spec in space.items()]
+    tuned = algorithm_entry(algorithm).tuned_knobs
+    dimensions = [_dimension(path, knob, spec, tuned) for knob, spec in space.items()]
 
     sampler = _require_mapping(path, "sampler", data.get("sampler", {"type": "tpe"}))
     if sampler.get("type") not in SAMPLERS:
@@ -167,6 +171,9 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
         raise _fail(path, "objective", objective, f"one or a list of distinct {sorted(OBJECTIVES)}")
 
     budget = _require_mapping(path, "budget", data.get("budget", {}))
+    for key in budget:
+        if key not in BUDGET_KEYS:
+            raise _fail(path, f"budget.{key}", budget[key], f"keys {list(BUDGET_KEYS)}")
     n_trials, timeout, steps = (
         budget.get("n_trials", 8),
         budget.get("timeout_s"),
@@ -179,7 +186,7 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
     if not isinstance(steps, int) or steps < 1:
         raise _fail(path, "budget.steps_per_trial", steps, "an integer >= 1")
 
-    baselines = data.get("baselines", list(BASELINES))
+    baselines = data.get("baselines", list(DEFAULT_BASELINES))
     if not isinstance(baselines, list) or any(b not in BASELINES for b in baselines):
         raise _fail(path, "baselines", baselines, f"a list from {list(BASELINES)}")
     seeds = data.get("seeds", [run.train.seed])
@@ -191,16 +198,17 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
             dimension.grid_values()
 
     evaluate = _require_mapping(path, "evaluate", data.get("evaluate", {"best_trials": 0}))
-    unknown = set(evaluate) - {"best_trials", "num_prompts", "max_new_tokens", "temperatures"}
+    unknown = set(evaluate) - set(EVALUATE_KEYS)
     if unknown:
-        raise _fail(path, "evaluate", sorted(unknown), "keys best_trials, num_prompts, max_new_tokens, temperatures")
+        raise _fail(path, "evaluate", sorted(unknown), f"keys {list(EVALUATE_KEYS)}")
+    defaults = EvalConfig()
     for key in ("best_trials", "num_prompts", "max_new_tokens"):
         value = evaluate.get(key, 0 if key == "best_trials" else 1)
         if not isinstance(value, int) or value < (0 if key == "best_trials" else 1):
             raise _fail(
                 path, f"evaluate.{key}", value, "a non-negative integer" if key == "best_trials" else "an integer >= 1"
             )
-    temperatures = evaluate.get("temperatures", [0.0, 1.0])
+    temperatures = evaluate.get("temperatures", list(defaults.temperatures))
     if (
         not isinstance(temperatures, list)
         or not temperatures
@@ -225,8 +233,8 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
         description=str(data.get("description", "")),
         evaluate_best=evaluate.get("best_trials", 0),
         evaluation=EvalConfig(
-            num_prompts=evaluate.get("num_prompts", 20),
-            max_new_tokens=evaluate.get("max_new_tokens", 128),
+            num_prompts=evaluate.get("num_prompts", defaults.num_prompts),
+            max_new_tokens=evaluate.get("max_new_tokens", defaults.max_new_tokens),
             temperatures=tuple(float(t) for t in temperatures),
         ),
     )
@@ -241,8 +249,3 @@ def load_study(path: Path) -> StudyDefinition:
     study = parse_study(data, str(path))
     study.source_text = text
     return study
-
-
-def default_dflash2_knobs() -> dict[str, Any]:
-    """The published DFlash2 knob values (spec §7), used by the `dflash2_defaults` baseline."""
-    return dataclasses.asdict(DFlash2Knobs())

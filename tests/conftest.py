@@ -28,13 +28,11 @@ def tiny_target(**overrides) -> TargetSpec:
 
 
 def tiny_config(algorithm: str, **overrides) -> AlgorithmConfig:
-    knobs = dict(mask_token_id=5, num_draft_layers=2, block_size=4, max_anchors=8)
-    if algorithm == "dflash2":
-        knobs.update(conv_group_size=8, selector_rank=8, selector_top_k=4)
-    else:
-        knobs.update(metrics_top_k=4)
-    knobs.update(overrides)
-    return AlgorithmConfig.preset(algorithm, **knobs)
+    config = AlgorithmConfig.preset(algorithm, mask_token_id=5, num_draft_layers=2, block_size=4, max_anchors=8)
+    small = {
+        k: v for k, v in dict(conv_group_size=8, selector_rank=8, candidate_top_k=4).items() if k in config.knob_names()
+    }
+    return config.replace(**{**small, **overrides})
 
 
 def frozen_tensors(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -59,14 +59,14 @@ def test_bad_study_file_names_the_field(tmp_path):
     study = (
         (ROOT / "studies" / "default.yaml")
         .read_text()
-        .replace("selector_top_k: [8, 16]", "selector_top_k: {type: int, low: 16, high: 8}")
+        .replace("candidate_top_k: [8, 16]", "candidate_top_k: {type: int, low: 16, high: 8}")
     )
     path = tmp_path / "bad.yaml"
     path.write_text(study)
     done = _run([*CLI, "study", "launch", str(path), "--workdir", str(tmp_path)])
     assert (
         done.returncode != 0
-        and "invalid field search_space.selector_top_k.low/high=(16, 8): allowed numbers with low <= high"
+        and "invalid field search_space.candidate_top_k.low/high=(16, 8): allowed numbers with low <= high"
         in done.stderr
     )
 
@@ -104,3 +104,63 @@ def test_qwen3_8b_recipe_dry_run_matches_spec_shapes():
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 7
     assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 1000000.0
     assert report["config"]["shared"]["max_anchors"] == 640 and report["config"]["train"]["learning_rate"] == 3e-4
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["--target-layer-ids", "a,b"],
+            "invalid knob target_layer_ids='a,b': allowed a comma-separated list of integers",
+        ),
+        (
+            ["--target-layer-ids", "0,40"],
+            "invalid knob target_layer_ids=[0, 40]: allowed distinct ascending ids in [1, 35]",
+        ),
+        (["--selector-loss-alpha", "nan"], "invalid knob selector_loss_alpha='nan': allowed a finite number"),
+        (["--lr", "inf"], "invalid knob learning_rate='inf': allowed a finite number"),
+        (["--dflash-decay-gamma", "nan"], "invalid knob decay_gamma='nan': allowed a finite number"),
+        (["--block-attention", "sideways"], "invalid knob block_attention='sideways': allowed one of ['bidirectional'"),
+        (["--max-steps", "ten"], "invalid knob max_steps='ten': allowed an integer"),
+        (["--conv-group-size", "7"], "invalid knob conv_group_size=7: allowed a divisor of the hidden size 4096"),
+        (["--candidate-top-k", "0"], "invalid knob candidate_top_k=0: allowed an integer >= 1"),
+        (["--algorithm", "dflash", "--selector-rank", "8"], "invalid knob knobs.selector_rank=8: allowed knobs []"),
+    ],
+)
+def test_generated_knob_flags_fail_with_one_clear_line(flags, message):
+    done = _run([*CLI, "train", *flags, "--dry-run", "--target", "tests/data/qwen3-8b"])
+    assert done.returncode != 0
+    assert message in done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_knob_flags_carry_type_choices_and_help():
+    done = _run([*CLI, "train", "--help"])
+    help_text = " ".join(done.stdout.split())
+    assert "--conv-kernel-size INT conv taps over earlier slots" in help_text
+    assert "--block-attention {bidirectional,causal}" in help_text
+    assert "--target-layer-ids INT,INT,...|none" in help_text
+    assert "--sample-from-anchor, --no-sample-from-anchor" in help_text
+    assert "--algorithm {dflash,dflash+conv,dflash+selector,dflash2}" in help_text
+
+
+@pytest.mark.parametrize("algorithm", ["dflash+conv", "dflash+selector"])
+def test_component_variants_dry_run_and_explain_why_they_do_not_export(algorithm):
+    done = _run([*CLI, "train", "--algorithm", algorithm, "--dry-run", "--target", "tests/data/qwen3-8b"])
+    assert done.returncode == 0, done.stderr[-2000:]
+    plan = json.loads(done.stdout)
+    assert plan["config"]["algorithm"] == algorithm
+    assert plan["checkpoint_config"].startswith(f"cannot export a {algorithm} draft: no peer format")
+    has_conv = any("conv" in name for name in plan["tensor_shapes"])
+    has_selector = any(name.startswith("candidate_selector") for name in plan["tensor_shapes"])
+    assert (has_conv, has_selector) == ((True, False) if algorithm == "dflash+conv" else (False, True))
+
+
+def test_config_file_sets_algorithm_and_an_explicit_flag_beats_it(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("algorithm: dflash+conv\nknobs: {conv_kernel_size: 3}\ntrain: {max_steps: 7}\n")
+    common = [*CLI, "train", "--config", str(config), "--dry-run", "--target", "tests/data/qwen3-8b"]
+    plan = json.loads(_run(common).stdout)["config"]
+    assert (plan["algorithm"], plan["knobs"]["conv_kernel_size"], plan["train"]["max_steps"]) == ("dflash+conv", 3, 7)
+    plan = json.loads(_run([*common, "--conv-kernel-size", "2", "--max-steps", "9"]).stdout)["config"]
+    assert (plan["knobs"]["conv_kernel_size"], plan["train"]["max_steps"]) == (2, 9)

@@ -117,7 +117,7 @@ def test_mlflow_records_documented_params_and_metrics(e2e_workspace, e2e_workdir
         "shared.position_weighting",
         "algo.conv_kernel_size",
         "algo.selector_rank",
-        "algo.selector_top_k",
+        "shared.candidate_top_k",
         "algo.selector_loss_alpha",
         "train.learning_rate",
         "train.seed",

@@ -28,7 +28,7 @@ def test_presets_are_the_published_defaults():
         "fixed-exp-decay",
     )
     assert dflash2.knobs == DFlash2Knobs(
-        conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16, selector_loss_alpha=1.0
+        conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_loss_alpha=1.0
     )
     for config in (dflash, dflash2):
         assert config.shared.block_attention == "bidirectional"
@@ -48,19 +48,19 @@ def _build(algorithm, **overrides):
 def test_pruned_vocab_rejected_for_dflash2():
     with pytest.raises(
         ValueError,
-        match=r"draft_vocab_size=100.*DFlash2 requires the full verifier vocabulary \(draft=100, verifier=300\)",
+        match=r"draft_vocab_size=100: allowed the full verifier vocabulary 300: a selector picks candidates",
     ):
         _build("dflash2", draft_vocab_size=100)
 
 
 def test_top_k_above_vocab_rejected():
-    with pytest.raises(ValueError, match=r"selector_top_k=301.*\[1, vocab_size=300\]"):
-        _build("dflash2", selector_top_k=301)
+    with pytest.raises(ValueError, match=r"candidate_top_k=301.*\[1, vocab_size=300\]"):
+        _build("dflash2", candidate_top_k=301)
 
 
 def test_top_k_below_one_rejected():
-    with pytest.raises(ValueError, match=r"selector_top_k=0.*\[1, vocab_size\]"):
-        _build("dflash2", selector_top_k=0)
+    with pytest.raises(ValueError, match=r"candidate_top_k=0.*>= 1"):
+        _build("dflash2", candidate_top_k=0)
 
 
 def test_conv_kernel_above_block_rejected():
@@ -79,7 +79,7 @@ def test_group_size_must_divide_hidden():
 
 
 def test_dflash2_rejects_sample_from_anchor():
-    with pytest.raises(ValueError, match=r"sample_from_anchor=True.*False for dflash2"):
+    with pytest.raises(ValueError, match=r"sample_from_anchor=True.*False with a selector"):
         _build("dflash2", sample_from_anchor=True)
 
 
@@ -115,3 +115,22 @@ def test_precision_knob_is_validated_and_drives_autocast():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     with autocast("cpu", "auto"):
         assert not torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize(
+    ("knob", "section"),
+    [("selector_loss_alpha", "algo"), ("decay_gamma", "shared"), ("dpace_alpha", "shared")],
+)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_float_knobs_reject_nan_and_inf(knob, section, value):
+    with pytest.raises(ValueError, match=rf"invalid knob {knob}=(nan|inf): allowed a finite number"):
+        tiny_config("dflash2", **{knob: value}).validate()
+
+
+def test_train_and_data_knobs_reject_nan_and_unknown_keys():
+    from harness.config import RunConfig, TrainConfig
+
+    with pytest.raises(ValueError, match=r"invalid knob learning_rate=nan: allowed a finite number"):
+        TrainConfig(learning_rate=float("nan")).validate()
+    with pytest.raises(ValueError, match=r"invalid knob train.max_stepz=3: allowed knobs \[.*'max_steps'"):
+        RunConfig.from_dict({"algorithm": "dflash", "train": {"max_stepz": 3}})

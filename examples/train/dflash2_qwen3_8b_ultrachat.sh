@@ -11,6 +11,6 @@ dflash-lab train \
   --block-size 8 --num-layers 5 --target-layer-ids 2,18,33 \
   --loss-fn kl_div --per-position-loss-weight fixed-exp-decay --dflash-decay-gamma 4.0 \
   --max-anchors 640 --conv-kernel-size 2 --conv-group-size 16 \
-  --selector-rank 256 --selector-top-k 16 --selector-loss-alpha 1.0 \
+  --selector-rank 256 --candidate-top-k 16 --selector-loss-alpha 1.0 \
   --lr 3e-4 --max-steps 20000 --num-conversations 50000 --num-validation 500 --row-length 8192 \
   "$@"

@@ -1,0 +1,196 @@
+"""One run's owner: its directory and file names, atomic checkpoints, its MLflow run and how it ended.
+
+Training, the study runner, the CLI and evaluation all reach a run through `Run`; none of them spells
+a file name, an MLflow status or a status tag of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import torch
+
+from harness import tracking
+from harness.tracking import RunStatus
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FILE = "checkpoint.pt"
+CONFIG_FILE = "config.json"
+PER_POSITION_FILE = "per_position.csv"
+EVAL_RECORDS_FILE = "eval_records.json"
+EXPORT_DIR = "export"
+# Checkpoints up to this size are also copied into MLflow's artifact store; larger ones are only tagged.
+ARTIFACT_CHECKPOINT_LIMIT = 64 * 2**20
+
+
+def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
+    """`write(tmp)` a file or directory beside `path`, then rename it into place: a kill leaves the old one.
+
+    A failed write leaves no temporary behind.
+    """
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    _remove(tmp)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        _remove(tmp)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def runs_root(workdir: Path) -> Path:
+    return workdir / "runs"
+
+
+@dataclass
+class Run:
+    """A named run in a work directory: `<workdir>/runs/<name>` plus one MLflow run."""
+
+    workdir: Path
+    name: str
+    experiment: str = tracking.DEFAULT_EXPERIMENT
+    run_id: str | None = None
+
+    @classmethod
+    def locate(cls, run: Path | str, workdir: Path) -> Run:
+        """A run given as its directory or its name under the work directory's runs."""
+        path = Path(run)
+        if path.is_dir() and (path / CHECKPOINT_FILE).exists():
+            return cls(path.parent.parent, path.name)
+        return cls(workdir, str(run))
+
+    @property
+    def directory(self) -> Path:
+        return runs_root(self.workdir) / self.name
+
+    def path(self, file_name: str) -> Path:
+        return self.directory / file_name
+
+    # ---- checkpoint -----------------------------------------------------------------------------
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.path(CHECKPOINT_FILE)
+
+    def has_checkpoint(self) -> bool:
+        return self.checkpoint_path.exists()
+
+    def save_checkpoint(self, state: dict) -> None:
+        """Atomic: a kill mid-write leaves the previous checkpoint intact."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.checkpoint_path, lambda tmp: torch.save(state, tmp))
+
+    def load_checkpoint(self) -> dict:
+        if not self.has_checkpoint():
+            raise FileNotFoundError(
+                f"no checkpoint at {self.checkpoint_path}; pass a run directory or a run name under "
+                f"{runs_root(self.workdir)}"
+            )
+        state = torch.load(self.checkpoint_path, weights_only=False)
+        self.run_id = self.run_id or state.get("run_id")
+        return state
+
+    # ---- MLflow lifecycle -----------------------------------------------------------------------
+
+    def start(self, tags: dict[str, str], parent_run_id: str | None = None) -> str:
+        """Start the MLflow run, or resume it when `run_id` is set (a resumed run keeps its tags)."""
+        experiment_id = tracking.configure(self.workdir, self.experiment)
+        if self.run_id is not None:
+            active = mlflow.start_run(run_id=self.run_id, log_system_metrics=True)
+        else:
+            active = mlflow.start_run(
+                experiment_id=experiment_id,
+                run_name=self.name,
+                tags={tracking.TAG_RUN_DIR: str(self.directory.resolve()), **tags},
+                parent_run_id=parent_run_id,
+                nested=parent_run_id is not None,
+                log_system_metrics=True,
+            )
+        self.run_id = active.info.run_id
+        mlflow.set_tag(tracking.TAG_STATUS, RunStatus.RUNNING.value)
+        return self.run_id
+
+    @contextmanager
+    def active(self, tags: dict[str, str], parent_run_id: str | None = None) -> Iterator[Run]:
+        """The MLflow run is open inside; an exception ends it failed (interrupted on Ctrl-C), with the reason."""
+        self.start(tags, parent_run_id)
+        try:
+            yield self
+        except KeyboardInterrupt:
+            self.end(RunStatus.INTERRUPTED, "KeyboardInterrupt: stopped by the user")
+            raise
+        except BaseException as error:
+            self.end(RunStatus.FAILED, f"{type(error).__name__}: {error}")
+            raise
+        finally:
+            if mlflow.active_run() is not None:
+                self.end(RunStatus.FINISHED)
+
+    def end(self, status: RunStatus, reason: str | None = None) -> None:
+        tags = {tracking.TAG_STATUS: status.value}
+        if reason:
+            tags[tracking.TAG_STATUS_REASON] = reason
+        mlflow.set_tags(tags)
+        mlflow.end_run(status=status.mlflow_status)
+
+    def log_params(self, params: dict) -> None:
+        """In batches: MLflow caps one call at 100 params."""
+        items = sorted(tracking.stringified(params).items())
+        for start in range(0, len(items), 100):
+            mlflow.log_params(dict(items[start : start + 100]))
+
+    def log_metrics(self, values: dict[str, float], prefix: str, step: int) -> None:
+        mlflow.log_metrics(tracking.prefixed(values, prefix), step=step)
+
+    def log_file(self, path: Path) -> None:
+        mlflow.log_artifact(str(path))
+
+    def log_checkpoint(self) -> None:
+        """The checkpoint as an artifact when small, and its path as a tag always."""
+        if self.checkpoint_path.stat().st_size < ARTIFACT_CHECKPOINT_LIMIT:
+            mlflow.log_artifact(str(self.checkpoint_path))
+        mlflow.set_tag(tracking.TAG_CHECKPOINT, str(self.checkpoint_path.resolve()))
+
+    # ---- a run that is not active in this process -----------------------------------------------
+
+    def log_into_finished(self, metrics: dict[str, float], prefix: str, files: list[Path]) -> None:
+        """Add metrics and files to this run after it ended (e.g. a later evaluation)."""
+        client = tracking.client(self.workdir)
+        for name, value in tracking.prefixed(metrics, prefix).items():
+            client.log_metric(self.run_id, name, value)
+        for path in files:
+            client.log_artifact(self.run_id, str(path))
+
+    def record_without_training(
+        self, tags: dict[str, str], params: dict, parent_run_id: str | None, status: RunStatus, reason: str
+    ) -> str:
+        """A run that ended before it could train (an infeasible trial): params, status and reason only."""
+        client = tracking.client(self.workdir)
+        experiment_id = tracking.configure(self.workdir, self.experiment)
+        run_tags = {
+            **tags,
+            tracking.TAG_STATUS: status.value,
+            tracking.TAG_STATUS_REASON: reason,
+            **({"mlflow.parentRunId": parent_run_id} if parent_run_id else {}),
+        }
+        run = client.create_run(experiment_id, run_name=self.name, tags=run_tags)
+        for key, value in tracking.stringified(params).items():
+            client.log_param(run.info.run_id, key, value)
+        client.set_terminated(run.info.run_id, status=status.mlflow_status)
+        self.run_id = run.info.run_id
+        return self.run_id
