@@ -1,4 +1,4 @@
-"""Anchored blocks on one packed row: anchor sampling, flattening, masks and target indices (spec §3)."""
+"""Anchored blocks on one packed row: anchor sampling, flattening, masks and target indices."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 @dataclass
 class PackedRow:
-    """One packed training row (spec §3.1). All tensors are [T] except the features."""
+    """One packed training row. All tensors are [T] except the features."""
 
     input_ids: torch.Tensor  # [T] long
     loss_mask: torch.Tensor  # [T] 0/1
@@ -35,7 +35,7 @@ class Anchors:
 
 
 def eligible_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Positions whose whole block lies inside their own document and that carry loss (D1)."""
+    """Positions whose whole block lies inside their own document (none crosses one) and that carry loss."""
     length = loss_mask.shape[0]
     eligible = loss_mask.bool() & (document_ids != -1)
     last = torch.arange(length, device=loss_mask.device) + block_size - 1
@@ -71,7 +71,7 @@ def block_indices(anchor_positions: torch.Tensor, block_size: int) -> torch.Tens
 def target_indices(
     anchor_positions: torch.Tensor, block_size: int, length: int, sample_from_anchor: bool
 ) -> torch.Tensor:
-    """Row whose target logits supervise each flat slot (§3.5); wraps only at masked slot 0."""
+    """Row whose target logits supervise each flat slot; wraps only at masked slot 0."""
     idx = block_indices(anchor_positions, block_size)
     return idx if sample_from_anchor else (idx - 1) % length
 

@@ -1,4 +1,4 @@
-"""Grouped dynamic causal convolution inside anchor blocks (spec §4.1)."""
+"""Grouped dynamic causal convolution inside anchor blocks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DFlash: parallel block drafting from target context features, trained on unary logits (spec §2-3, §5)."""
+"""DFlash: parallel block drafting from target context features, trained on unary logits."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ class DFlashDraft(DraftBackbone):
         return BlockForward(hidden=hidden, head=head, mask=loss_mask, block_tokens=row.input_ids[flat].view(-1, size))
 
     def weighted_loss(self, per_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Reduce one per-position term with the configured position weighting (spec §5.2-5.5)."""
+        """Reduce one per-position term with the configured position weighting."""
         return losses.reduce_weighted(per_position, self.unary_objective.weights(per_position, mask), mask)
 
     def training_forward(self, row: PackedRow, anchors: Anchors) -> StepOutput:
@@ -154,7 +154,7 @@ class DFlashDraft(DraftBackbone):
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
     ) -> Proposal:
-        """Draft one block [anchor, MASK x (B-1)] and propose its draft slots (spec §9); shorter near a limit."""
+        """Draft one block [anchor, MASK x (B-1)] and propose its draft slots; shorter near a limit."""
         first = self.shared.first_draft_slot
         slots = self.block_size - first if num_slots is None else num_slots
         size = min(self.block_size, slots + first)

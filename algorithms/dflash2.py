@@ -1,4 +1,4 @@
-"""DFlash2: DFlash + grouped dynamic convs (in the layers) + a candidate selector, split objective (spec §4, §5.6)."""
+"""DFlash2: DFlash + grouped dynamic convs (in the layers) + a candidate selector, split objective."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-position losses, position weighting and the reduction (spec §5). Everything runs in fp32."""
+"""Per-position losses, position weighting and the reduction. Everything runs in fp32."""
 
 from __future__ import annotations
 

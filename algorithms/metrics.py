@@ -1,6 +1,7 @@
-"""Pooled metric counts (spec §6): every metric is a (sum, total) pair, divided once at the end.
+"""Pooled metric counts: every metric is a (sum, total) pair, divided once at the end.
 
-Metric names live here and nowhere else; the harness, studies and reports import them.
+Metric names live here and nowhere else; the harness, studies and reports import them (the harness's
+MLflow prefixes live in `harness.tracking`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ REALIZED_ACCEPTED_LENGTH = "realized_accepted_length"
 ORACLE_ACCEPTED_LENGTH = "oracle_accepted_length"
 ACCEPTED_LENGTHS = (UNARY_ACCEPTED_LENGTH, REALIZED_ACCEPTED_LENGTH, ORACLE_ACCEPTED_LENGTH)
 TEACHER_FORCED_SELECTOR_ACC = "teacher_forced_selector_acc"
+UNARY_FULL_ACC = "unary_full_acc"
+# Measured by the harness, not pooled here, but named with the others.
+DRAFT_STEP_MS = "draft_step_ms"
 
 
 def recall_name(top_k: int) -> str:
@@ -27,6 +31,10 @@ def target_mass_name(top_k: int) -> str:
 
 def conditional_acc_name(path: str, slot: int) -> str:
     return f"{path}_position_{slot}_conditional_acc"
+
+
+def unary_position_acc_name(slot: int) -> str:
+    return f"unary_position_{slot}_acc"
 
 
 MetricCounts = dict[str, torch.Tensor]  # name -> tensor([sum, total])
@@ -67,7 +75,7 @@ def path_counts(path: str, correct: torch.Tensor, valid: torch.Tensor, first_slo
 
 @torch.no_grad()
 def unary_counts(stats: RowStatistics, mask: torch.Tensor, block_size: int, first_slot: int) -> MetricCounts:
-    """Unary and candidate metrics, plus the unary and oracle paths (spec §6.1-6.3).
+    """Unary and candidate metrics, plus the unary and oracle paths.
 
     stats: the unary head's per-row statistics; mask: [M] aligned loss mask.
     """
@@ -80,14 +88,14 @@ def unary_counts(stats: RowStatistics, mask: torch.Tensor, block_size: int, firs
     candidate_mass = stats.target_candidate_logprobs.exp().sum(-1)
 
     counts: MetricCounts = {
-        "unary_full_acc": _pair((unary_correct * weight).sum(), weight.sum()),
+        UNARY_FULL_ACC: _pair((unary_correct * weight).sum(), weight.sum()),
         "accept_rate": _pair((stats.overlap * weight).sum(), weight.sum()),
         recall_name(top_k): _pair((in_candidates * weight).sum(), weight.sum()),
         target_mass_name(top_k): _pair((candidate_mass * weight).sum(), weight.sum()),
     }
     for slot in range(first_slot, block_size):
         at_slot = weight * (slots == slot)
-        counts[f"unary_position_{slot}_acc"] = _pair((unary_correct * at_slot).sum(), at_slot.sum())
+        counts[unary_position_acc_name(slot)] = _pair((unary_correct * at_slot).sum(), at_slot.sum())
         counts[f"{recall_name(top_k)}_position_{slot}"] = _pair((in_candidates * at_slot).sum(), at_slot.sum())
 
     blocks = lambda x: x.view(-1, block_size)[:, first_slot:]  # noqa: E731
@@ -110,7 +118,7 @@ def selector_counts(
     block_size: int,
     first_slot: int,
 ) -> MetricCounts:
-    """Selector metrics (spec §6.2, §6.5) and the realized path (D3). The injection never enters them."""
+    """Selector metrics and the realized path (the walk replayed for real). The injection never enters them."""
     candidate_ids, target_ids = stats.candidate_ids, stats.target_ids
     top_k = candidate_ids.shape[-1]
     weight = (mask > 0).double()
@@ -140,12 +148,12 @@ def pool(into: MetricCounts, counts: MetricCounts) -> MetricCounts:
 
 
 def finalize(counts: MetricCounts, block_size: int | None = None, first_slot: int = 1) -> dict[str, float]:
-    """Divide once: sum / total, 0 where the total is 0. Adds the no-anchor marginal EAL (§6.4)."""
+    """Divide once: sum / total, 0 where the total is 0. Adds the no-anchor marginal expected accepted length."""
     values = {name: (float(pair[0] / pair[1]) if pair[1] > 0 else 0.0) for name, pair in counts.items()}
-    if block_size is not None and f"unary_position_{first_slot}_acc" in values:
+    if block_size is not None and unary_position_acc_name(first_slot) in values:
         product, marginal = 1.0, 0.0
         for slot in range(first_slot, block_size):
-            product *= values[f"unary_position_{slot}_acc"]
+            product *= values[unary_position_acc_name(slot)]
             marginal += product
         values["eal_marginal_no_anchor"] = marginal
     return values

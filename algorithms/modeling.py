@@ -1,4 +1,4 @@
-"""The DFlash backbone: Qwen3-style draft layers that attend to target context features (spec §2).
+"""The DFlash backbone: Qwen3-style draft layers that attend to target context features.
 
 Read top to bottom: the target description, the draft config derived from it, the building
 blocks (norm, rotary, attention, MLP), one decoder layer and the backbone.
@@ -158,7 +158,7 @@ class DraftMLP(nn.Module):
 
 
 class DraftDecoderLayer(nn.Module):
-    """Pre-norm residual layer; DFlash2 wraps attention and MLP in grouped dynamic convs (§4.1)."""
+    """Pre-norm residual layer; DFlash2 wraps attention and MLP in grouped dynamic convs."""
 
     def __init__(self, config: DraftConfig) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""Low-rank candidate selector: re-ranks the unary top-K given the previous token (spec §4.2)."""
+"""Low-rank candidate selector: re-ranks the unary top-K given the previous token."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class CandidateSelector(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """D4: S = 0 makes a fresh selector a no-op, so DFlash2 starts exactly as DFlash."""
+        """A zero successor codebook makes a fresh selector a no-op, so DFlash2 starts exactly as DFlash."""
         nn.init.normal_(self.predecessor_codebook, std=0.02)
         nn.init.normal_(self.hidden_projection.weight, std=0.02)
         if self.init == "normal":

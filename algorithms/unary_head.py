@@ -25,7 +25,7 @@ CHUNK_ELEMENTS = 2**22
 
 @dataclass(frozen=True)
 class UnaryObjective:
-    """The compound unary loss and its position weighting (spec §5.1-5.5)."""
+    """The compound unary loss and its position weighting (per-position losses and weighting)."""
 
     loss_weights: dict[str, float]
     position_weighting: str

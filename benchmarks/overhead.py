@@ -48,6 +48,7 @@ def training_overhead(size: str, steps: int, precision: str) -> dict:
 
 def inference_shares(workdir: Path, cycles: int) -> dict:
     """Time of the selector walk and of the convs inside one draft step, relative to a whole decoding cycle."""
+    from harness.features import target_features
     from harness.presets import preset_run
     from harness.targets import load_target
     from harness.train import build_for_target, with_target_defaults
@@ -64,7 +65,7 @@ def inference_shares(workdir: Path, cycles: int) -> dict:
     ]
     with torch.no_grad():
         out = target.model(input_ids=prompt, output_hidden_states=True)
-    features = torch.cat([out.hidden_states[i][0] for i in draft.config.target_layer_ids], -1)
+    features = target_features(out.hidden_states, draft.config.target_layer_ids)[0]
     length = features.shape[0]
     positions = torch.arange(length)
     block = torch.cat([prompt[0, -1:], torch.randint(0, 1000, (draft.block_size - 1,))])[None]

@@ -5,7 +5,7 @@
 Prints one JSON line per measurement and writes benchmarks/RESULTS.md. Losses must agree within
 1e-3 relative before anything is timed. Steps are forward + backward + grad clipping, interleaved
 A B A B, both sides under the same precision (fp32, or bf16 autocast with fp32 master weights as
-spec §3.7 trains); peak memory is measured in a fresh process per implementation (RSS on CPU,
+the reference recipe trains); peak memory is measured in a fresh process per implementation (RSS on CPU,
 max_memory_allocated on CUDA).
 """
 
@@ -406,7 +406,7 @@ def write_results(records: list[dict], path: Path) -> None:
         f"- Versions: {', '.join(f'{k} {v}' for k, v in versions.items())}",
         "- Step = forward + backward + grad clipping on the same flattened "
         "batch; interleaved A B; ratio = ours / theirs per pair, median.",
-        "- Precision: both sides run the same one: fp32, or bf16 autocast with fp32 master weights (spec §3.7).",
+        "- Precision: both sides run the same one: fp32, or bf16 autocast with fp32 master weights.",
         "- Peak memory: RSS growth over the steps (CPU) or max_memory_allocated (CUDA), each in a fresh process.",
         "- Model TFLOP/s counts the same FLOPs for both (see "
         "`model_flops`); MFU is against the dense bf16 peak, CUDA only.",

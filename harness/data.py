@@ -6,7 +6,6 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from tqdm.auto import tqdm
 
 from algorithms.blocks import PackedRow
 from algorithms.knobs import check_section, knob
+from harness.files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +88,13 @@ def chitchat_to_jsonl(out_path: Path) -> Path:
     if out_path.exists():
         return out_path
     raw = json.loads(Path(raw_path).read_text())
-    tmp = out_path.with_suffix(f".tmp{os.getpid()}")
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "w") as handle:
-        for conversation_id in sorted(raw):
-            turns = [" ".join(u["text"] for u in turn).strip() for turn in raw[conversation_id]["messages"]]
-            messages = [{"role": ("user", "assistant")[i % 2], "content": text} for i, text in enumerate(turns) if text]
-            if len(messages) >= 2:
-                handle.write(json.dumps({"id": conversation_id, "messages": messages}) + "\n")
-    os.replace(tmp, out_path)
+    lines = []
+    for conversation_id in sorted(raw):
+        turns = [" ".join(u["text"] for u in turn).strip() for turn in raw[conversation_id]["messages"]]
+        messages = [{"role": ("user", "assistant")[i % 2], "content": text} for i, text in enumerate(turns) if text]
+        if len(messages) >= 2:
+            lines.append(json.dumps({"id": conversation_id, "messages": messages}) + "\n")
+    atomic_write(out_path, lambda tmp: tmp.write_text("".join(lines)))
     return out_path
 
 
@@ -253,10 +251,7 @@ def prepare_documents(target, config: DataConfig, cache_dir: Path) -> PreparedDa
             for c in tqdm(conversations, desc="tokenising", unit="conv")
         ]
         payload = {"documents": documents, "conversations": conversations}
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(payload))
-        os.replace(tmp, cache)
+        atomic_write(cache, lambda tmp: tmp.write_text(json.dumps(payload)))
     documents = [Document(**d) for d in payload["documents"]]
     documents = [d for d in documents if sum(d.loss_mask) > 0]
     validation, train = documents[: config.num_validation], documents[config.num_validation :]

@@ -1,4 +1,4 @@
-"""Speculative decoding with the real target (spec §9), batch size 1: measured acceptance, lossless.
+"""Speculative decoding with the real target, batch size 1: measured acceptance, lossless.
 
 Each cycle drafts one block [verified token, MASK x (B-1)] from the context features, the target
 verifies it in one forward pass, and the accepted prefix plus a bonus token is committed.
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from algorithms.dflash import DFlashDraft, Proposal
+from harness.features import target_features
 
 
 @dataclass
@@ -29,7 +30,7 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Ve
 
 
 def verify_sampled(target_probs: torch.Tensor, proposal: Proposal, generator: torch.Generator | None) -> Verification:
-    """Lossless rejection sampling (spec §9.4): accept d_i iff u * q_i(d_i) < p_{i-1}(d_i).
+    """Lossless rejection sampling: accept d_i iff u * q_i(d_i) < p_{i-1}(d_i).
 
     For DFlash2, q_i is the selector's realized distribution over its K candidates, conditioned on
     the sampled predecessor, scattered onto the vocabulary; never the unary softmax.
@@ -73,11 +74,6 @@ class DecodeStats:
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
 
 
-def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
-    """Concatenated hidden_states[i] for the draft's aux ids: [L, n_T*H]."""
-    return torch.cat([hidden_states[i][0] for i in layer_ids], dim=-1)
-
-
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float() / temperature, dim=-1)
 
@@ -105,7 +101,7 @@ def speculative_generate(
     cache = DynamicCache()
     prompt = torch.tensor([prompt_ids], device=device)
     out = target_model(input_ids=prompt, past_key_values=cache, use_cache=True, output_hidden_states=True)
-    context = target_features(out.hidden_states, layer_ids)
+    context = target_features(out.hidden_states, layer_ids)[0]
     logits = out.logits[0, -1]
     anchor = (
         int(logits.argmax())
@@ -147,7 +143,7 @@ def speculative_generate(
         rejected = cache.get_seq_length() - (start + verdict.accepted + 1)
         if rejected > 0:
             cache.crop(-rejected)  # keep the anchor and accepted drafts; drop rejected positions
-        context = torch.cat([context, target_features(out.hidden_states, layer_ids)[: verdict.accepted + 1]])
+        context = torch.cat([context, target_features(out.hidden_states, layer_ids)[0, : verdict.accepted + 1]])
         start += verdict.accepted + 1
         anchor = stats.tokens[-1]
     stats.total_seconds = time.perf_counter() - started

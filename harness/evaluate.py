@@ -16,8 +16,10 @@ from algorithms.blocks import Anchors, sample_anchors
 from algorithms.dflash import DFlashDraft
 from algorithms.metrics import MetricCounts, finalize, pool
 from harness.data import Document, pack_row
-from harness.decode import DecodeStats, speculative_generate, target_features, target_greedy
-from harness.run import EVAL_RECORDS_FILE, Run, atomic_write
+from harness.decode import DecodeStats, speculative_generate, target_greedy
+from harness.features import target_features
+from harness.files import atomic_write
+from harness.run import EVAL_RECORDS_FILE, Run
 from harness.tracking import EVAL_PREFIX
 
 log = logging.getLogger(__name__)
@@ -98,7 +100,7 @@ def offline_realized_on_continuations(
         ids = prompt + continuation
         row = pack_row([Document(ids, [0] * len(prompt) + [1] * len(continuation))], len(ids))
         out = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
-        row.features = target_features(out.hidden_states, draft.config.target_layer_ids)
+        row.features = target_features(out.hidden_states, draft.config.target_layer_ids)[0]
         row.target_hidden = out.hidden_states[-1][0]
         anchors = sample_anchors(
             row.loss_mask, row.document_ids, shared.block_size, len(ids), torch.Generator().manual_seed(0)

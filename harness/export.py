@@ -1,10 +1,8 @@
-"""Servable checkpoints: Z Lab native tensors (bf16, exact names) plus one dual native/speculators config (spec §8)."""
+"""Servable checkpoints: Z Lab native tensors (bf16, exact names) plus one dual native/speculators config."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -13,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from algorithms import ALGORITHMS
 from algorithms.dflash import DFlashDraft
 from algorithms.registry import Algorithm, PeerFormat
+from harness.files import atomic_write
 
 SPECULATORS_VERSION = "0.9.0"
 
@@ -61,7 +60,7 @@ def peer_format(entry: Algorithm) -> PeerFormat:
 
 
 def checkpoint_config(draft: DFlashDraft, verifier_name_or_path: str) -> dict:
-    """One config.json that Z Lab dflash, speculators and vLLM all read (spec §8.2-8.4)."""
+    """One config.json that Z Lab dflash, speculators and vLLM all read."""
     cfg, target, shared = draft.config, draft.config.target, draft.shared
     peer = peer_format(draft.algorithm.entry)
     transform = {}
@@ -117,14 +116,15 @@ def checkpoint_config(draft: DFlashDraft, verifier_name_or_path: str) -> dict:
 def export_checkpoint(draft: DFlashDraft, out_dir: Path, verifier_name_or_path: str) -> Path:
     """Write model.safetensors (bf16, no embed/head) and config.json into `out_dir`, atomically."""
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    config = checkpoint_config(draft, verifier_name_or_path)
     tensors = {name: value.detach().to(torch.bfloat16).cpu().contiguous() for name, value in draft.state_dict().items()}
-    save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(checkpoint_config(draft, verifier_name_or_path), indent=2))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+
+    def write(tmp: Path) -> None:
+        tmp.mkdir(parents=True)
+        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+
+    atomic_write(out_dir, write)
     return out_dir
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +14,7 @@ from tqdm.auto import tqdm
 
 from algorithms.blocks import PackedRow
 from harness.data import Document, pack_documents, stable_hash
+from harness.files import atomic_write
 from harness.targets import file_sha256
 
 log = logging.getLogger(__name__)
@@ -67,11 +66,20 @@ def verify(directory: Path, manifest: dict) -> None:
             raise CorruptFeatureCache(f"feature shard {path} is missing, truncated or corrupt (checksum mismatch)")
 
 
+def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """The draft's context features: the selected target hidden states side by side, [..., T, n*H]."""
+    return torch.cat([hidden_states[i] for i in layer_ids], dim=-1)
+
+
 @torch.no_grad()
 def extract(target, documents: list[Document], layer_ids: list[int], directory: Path, batch_size: int = 8) -> dict:
     """One pass of the target per document (no cross-document attention), written shard by shard."""
-    tmp = directory.with_name(directory.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    manifest: dict = {}
+    atomic_write(directory, lambda tmp: manifest.update(_extract_into(tmp, target, documents, layer_ids, batch_size)))
+    return manifest
+
+
+def _extract_into(tmp: Path, target, documents: list[Document], layer_ids: list[int], batch_size: int) -> dict:
     tmp.mkdir(parents=True)
     device = next(target.model.parameters()).device
     shards, doc_to_shard = [], []
@@ -91,12 +99,11 @@ def extract(target, documents: list[Document], layer_ids: list[int], directory: 
                     input_ids=ids.to(device), attention_mask=attention.to(device), output_hidden_states=True
                 )
                 hidden = out.hidden_states  # [0] embeddings ... [n] post-final-norm
+                features = target_features(hidden, layer_ids)
                 for row, doc in enumerate(batch):
                     size = len(doc.input_ids)
                     index = start + row
-                    tensors[f"doc{index}.features"] = (
-                        torch.cat([hidden[i][row, :size] for i in layer_ids], -1).to(torch.bfloat16).cpu().contiguous()
-                    )
+                    tensors[f"doc{index}.features"] = features[row, :size].to(torch.bfloat16).cpu().contiguous()
                     tensors[f"doc{index}.final"] = hidden[-1][row, :size].float().cpu().contiguous()
                     bar.update(size)
             name = f"shard-{len(shards):05d}.safetensors"
@@ -111,8 +118,6 @@ def extract(target, documents: list[Document], layer_ids: list[int], directory: 
         "documents": doc_to_shard,
     }
     (tmp / "manifest.json").write_text(json.dumps(manifest))
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(tmp, directory)
     return manifest
 
 

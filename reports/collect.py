@@ -8,7 +8,19 @@ from pathlib import Path
 import pandas as pd
 
 from algorithms import ALGORITHMS
-from algorithms.metrics import ACCEPTED_LENGTHS, PATHS, conditional_acc_name, recall_name, target_mass_name
+from algorithms.metrics import (
+    ACCEPTED_LENGTHS,
+    DRAFT_STEP_MS,
+    ORACLE_ACCEPTED_LENGTH,
+    PATHS,
+    REALIZED_ACCEPTED_LENGTH,
+    TEACHER_FORCED_SELECTOR_ACC,
+    UNARY_ACCEPTED_LENGTH,
+    UNARY_FULL_ACC,
+    conditional_acc_name,
+    recall_name,
+    target_mass_name,
+)
 from harness import tracking
 from harness.tracking import RunStatus
 
@@ -70,9 +82,9 @@ def collect(study: str, workdir: Path) -> StudyRecord:
             row[name] = metrics.get(f"{VAL}{name}", float("nan"))
         row["recall_at_k"] = metrics.get(f"{VAL}{recall_name(top_k)}", float("nan"))
         row["target_mass_at_k"] = metrics.get(f"{VAL}{target_mass_name(top_k)}", float("nan"))
-        row["unary_recall_at_1"] = metrics.get(f"{VAL}unary_full_acc", float("nan"))
-        row["teacher_forced_selector_acc"] = metrics.get(f"{VAL}teacher_forced_selector_acc", float("nan"))
-        row["draft_step_ms"] = metrics.get(f"{VAL}draft_step_ms", float("nan"))
+        row["unary_recall_at_1"] = metrics.get(f"{VAL}{UNARY_FULL_ACC}", float("nan"))
+        row[TEACHER_FORCED_SELECTOR_ACC] = metrics.get(f"{VAL}{TEACHER_FORCED_SELECTOR_ACC}", float("nan"))
+        row[DRAFT_STEP_MS] = metrics.get(f"{VAL}{DRAFT_STEP_MS}", float("nan"))
         row["measured_greedy"] = metrics.get(f"{EVAL}measured_accepted_length_greedy", float("nan"))
         row["measured_t1"] = metrics.get(f"{EVAL}measured_accepted_length_t1", float("nan"))
         for path in PATHS:
@@ -83,10 +95,10 @@ def collect(study: str, workdir: Path) -> StudyRecord:
         rows.append(row)
     frame = pd.DataFrame(rows)
     if not frame.empty:
-        frame["selector_gain"] = frame["realized_accepted_length"] - frame["unary_accepted_length"]
-        frame["oracle_headroom"] = frame["oracle_accepted_length"] - frame["realized_accepted_length"]
+        frame["selector_gain"] = frame[REALIZED_ACCEPTED_LENGTH] - frame[UNARY_ACCEPTED_LENGTH]
+        frame["oracle_headroom"] = frame[ORACLE_ACCEPTED_LENGTH] - frame[REALIZED_ACCEPTED_LENGTH]
         frame = frame.sort_values(
-            ["role", "realized_accepted_length", "run_name"], ascending=[True, False, True], na_position="last"
+            ["role", REALIZED_ACCEPTED_LENGTH, "run_name"], ascending=[True, False, True], na_position="last"
         ).reset_index(drop=True)
     return StudyRecord(
         study,

@@ -9,6 +9,13 @@ from pathlib import Path
 import pandas as pd
 
 from algorithms import ALGORITHMS
+from algorithms.metrics import (
+    DRAFT_STEP_MS,
+    ORACLE_ACCEPTED_LENGTH,
+    REALIZED_ACCEPTED_LENGTH,
+    TEACHER_FORCED_SELECTOR_ACC,
+    UNARY_ACCEPTED_LENGTH,
+)
 from algorithms.registry import REFERENCE_ALGORITHM
 from harness import tracking
 from reports.collect import TUNED_KNOBS, StudyRecord
@@ -105,19 +112,19 @@ def leaderboard(record: StudyRecord) -> str:
         [
             label(r),
             *[r[k] for k in TUNED_KNOBS],
-            r["unary_accepted_length"],
-            r["realized_accepted_length"],
-            r["oracle_accepted_length"],
+            r[UNARY_ACCEPTED_LENGTH],
+            r[REALIZED_ACCEPTED_LENGTH],
+            r[ORACLE_ACCEPTED_LENGTH],
             *([r["measured_greedy"], r["measured_t1"]] if measured else []),
             r["selector_gain"],
             r["oracle_headroom"],
             r["recall_at_k"],
             r["target_mass_at_k"],
-            r["teacher_forced_selector_acc"],
-            r["draft_step_ms"],
+            r[TEACHER_FORCED_SELECTOR_ACC],
+            r[DRAFT_STEP_MS],
             f"{int(r['parameters']):,}" if not math.isnan(r["parameters"]) else "",
         ]
-        for _, r in done.sort_values(["realized_accepted_length", "run_name"], ascending=[False, True]).iterrows()
+        for _, r in done.sort_values([REALIZED_ACCEPTED_LENGTH, "run_name"], ascending=[False, True]).iterrows()
     ]
     note = (
         "Accepted lengths include the verified anchor. *unary*: the argmax path plain DFlash decoding realizes; "
@@ -143,7 +150,7 @@ def knob_effects(record: StudyRecord, figure: str | None) -> str:
             continue
         grouped = (
             trials.assign(value=trials[knob].astype(float))
-            .groupby("value")["realized_accepted_length"]
+            .groupby("value")[REALIZED_ACCEPTED_LENGTH]
             .agg(["mean", "std", "count"])
         )
         parts.append(
@@ -188,7 +195,7 @@ def best_and_dflash(record: StudyRecord) -> list[tuple[str, pd.Series]]:
         chosen.append(
             (
                 "best trial " + str(trials.iloc[0]["trial"]),
-                trials.sort_values("realized_accepted_length", ascending=False).iloc[0],
+                trials.sort_values(REALIZED_ACCEPTED_LENGTH, ascending=False).iloc[0],
             )
         )
     is_reference = (done["role"] == tracking.ROLE_BASELINE) & (done["baseline"] == REFERENCE_ALGORITHM)
@@ -211,9 +218,9 @@ def per_position(record: StudyRecord, figure: str | None) -> str:
     for title, row in chosen:
         slots = [s for s, _ in positions(row, "unary")]
         rows = [
-            ["Recall@1", *[v for _, v in positions(row, "unary")], row["unary_accepted_length"]],
-            [f"Recall@{row['top_k']}", *[v for _, v in positions(row, "oracle")], row["oracle_accepted_length"]],
-            ["realized", *[v for _, v in positions(row, "realized")], row["realized_accepted_length"]],
+            ["Recall@1", *[v for _, v in positions(row, "unary")], row[UNARY_ACCEPTED_LENGTH]],
+            [f"Recall@{row['top_k']}", *[v for _, v in positions(row, "oracle")], row[ORACLE_ACCEPTED_LENGTH]],
+            ["realized", *[v for _, v in positions(row, "realized")], row[REALIZED_ACCEPTED_LENGTH]],
         ]
         parts.append(
             f"**{title}** ({row['run_name']})\n\n" + table(["", *[f"pos {s}" for s in slots], "accepted length"], rows)
@@ -242,7 +249,7 @@ def component_ablation(record: StudyRecord) -> str | None:
     names = [name for name in ALGORITHMS if name in set(variants["baseline"])]
     if len(names) < 2:
         return None
-    metrics = ("unary_accepted_length", "realized_accepted_length", "oracle_accepted_length")
+    metrics = (UNARY_ACCEPTED_LENGTH, REALIZED_ACCEPTED_LENGTH, ORACLE_ACCEPTED_LENGTH)
     rows = []
     for name in names:
         runs = variants[variants["baseline"] == name]
@@ -265,7 +272,7 @@ def component_ablation(record: StudyRecord) -> str | None:
             continue
         runs = variants[variants["baseline"] == name].set_index("seed")
         seeds = sorted(set(runs.index) & set(reference.index))
-        for metric in ("realized_accepted_length", "unary_accepted_length"):
+        for metric in (REALIZED_ACCEPTED_LENGTH, UNARY_ACCEPTED_LENGTH):
             paired = runs.loc[seeds, metric] - reference.loc[seeds, metric]
             mean, low, high = seed_interval(paired)
             if math.isnan(low):
@@ -305,8 +312,8 @@ def verdicts(record: StudyRecord) -> str:
         return "## Verdicts\n\n- No completed runs: no verdict can be drawn."
     selector_runs = done[done["algorithm"].map(has_selector)]
     if not selector_runs.empty:
-        best = selector_runs.sort_values("realized_accepted_length", ascending=False).iloc[0]
-        gain, unary = best["selector_gain"], best["unary_accepted_length"]
+        best = selector_runs.sort_values(REALIZED_ACCEPTED_LENGTH, ascending=False).iloc[0]
+        gain, unary = best["selector_gain"], best[UNARY_ACCEPTED_LENGTH]
         relative = 100 * gain / unary if unary else float("nan")
         verb = "beats" if gain > 0 else ("ties" if gain == 0 else "trails")
         spread = selector_runs["selector_gain"]
@@ -327,8 +334,8 @@ def verdicts(record: StudyRecord) -> str:
         )
     reference = done[done["algorithm"] == REFERENCE_ALGORITHM]
     if not reference.empty and not selector_runs.empty:
-        d1 = reference["realized_accepted_length"]
-        best_value = selector_runs["realized_accepted_length"].max()
+        d1 = reference[REALIZED_ACCEPTED_LENGTH]
+        best_value = selector_runs[REALIZED_ACCEPTED_LENGTH].max()
         seeds = f" (over {len(d1)} seeds: {fmt(d1.mean())} ± {fmt(d1.std())})" if len(d1) > 1 else ""
         ahead = "the selector run ahead" if best_value > d1.mean() else f"{REFERENCE_ALGORITHM} ahead or equal"
         lines.append(
@@ -374,9 +381,9 @@ def knob_figure(record: StudyRecord, path: Path) -> bool:
     for axis, knob in zip(axes[0], knobs, strict=True):
         x = trials[knob].astype(float)
         for metric, marker in (
-            ("unary_accepted_length", "s"),
-            ("realized_accepted_length", "o"),
-            ("oracle_accepted_length", "^"),
+            (UNARY_ACCEPTED_LENGTH, "s"),
+            (REALIZED_ACCEPTED_LENGTH, "o"),
+            (ORACLE_ACCEPTED_LENGTH, "^"),
         ):
             axis.scatter(x, trials[metric], marker=marker, label=metric.split("_")[0], alpha=0.8)
         axis.set_xlabel(knob)
@@ -439,7 +446,7 @@ def render_comparison(first: StudyRecord, second: StudyRecord) -> str:
     rows = []
     for record in (first, second):
         done = completed(record)
-        best = done.sort_values("realized_accepted_length", ascending=False).iloc[0] if not done.empty else None
+        best = done.sort_values(REALIZED_ACCEPTED_LENGTH, ascending=False).iloc[0] if not done.empty else None
         rows.append(
             [
                 record.name,
@@ -450,9 +457,9 @@ def render_comparison(first: StudyRecord, second: StudyRecord) -> str:
                     [
                         best[m]
                         for m in (
-                            "unary_accepted_length",
-                            "realized_accepted_length",
-                            "oracle_accepted_length",
+                            UNARY_ACCEPTED_LENGTH,
+                            REALIZED_ACCEPTED_LENGTH,
+                            ORACLE_ACCEPTED_LENGTH,
                             "selector_gain",
                             "oracle_headroom",
                         )

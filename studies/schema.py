@@ -10,10 +10,11 @@ from typing import Any
 import yaml
 
 from algorithms import ALGORITHMS, SharedKnobs, algorithm_entry
+from algorithms.metrics import DRAFT_STEP_MS, REALIZED_ACCEPTED_LENGTH
 from harness.config import RunConfig
 from harness.evaluate import EvalConfig
 
-OBJECTIVES = {"realized_accepted_length": "maximize", "draft_step_ms": "minimize"}
+OBJECTIVES = {REALIZED_ACCEPTED_LENGTH: "maximize", DRAFT_STEP_MS: "minimize"}
 SAMPLERS = ("tpe", "grid", "random")
 PRUNERS = ("median", "hyperband", "none")
 # A baseline runs a registered algorithm with the study's pinned shared knobs. `NAME` takes the base's
@@ -65,7 +66,7 @@ class StudyDefinition:
     sampler_seed: int = 0
     pruner: str = "median"
     pruner_warmup_steps: int = 0
-    objectives: list[str] = field(default_factory=lambda: ["realized_accepted_length"])
+    objectives: list[str] = field(default_factory=lambda: [REALIZED_ACCEPTED_LENGTH])
     n_trials: int = 8
     timeout_s: float | None = None
     steps_per_trial: int = 100
@@ -165,7 +166,7 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
     if pruner.get("type") not in PRUNERS:
         raise _fail(path, "pruner.type", pruner.get("type"), f"one of {list(PRUNERS)}")
 
-    objective = data.get("objective", "realized_accepted_length")
+    objective = data.get("objective", REALIZED_ACCEPTED_LENGTH)
     objectives = objective if isinstance(objective, list) else [objective]
     if not objectives or any(o not in OBJECTIVES for o in objectives) or len(set(objectives)) != len(objectives):
         raise _fail(path, "objective", objective, f"one or a list of distinct {sorted(OBJECTIVES)}")

@@ -28,7 +28,7 @@ def _rule(
     causal: bool,
     window,
 ):
-    """Spec §3.4, written element by element."""
+    """The attention mask rules, written element by element."""
     if col < length:
         d = int(docs[anchor])
         visible = valid and d != -1 and int(docs[col]) == d and col < anchor

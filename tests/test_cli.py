@@ -1,4 +1,4 @@
-"""The command line: help everywhere, clear knob errors, and the Qwen3-8B recipe's dry run against spec §8 shapes."""
+"""The command line: help everywhere, clear knob errors, and the Qwen3-8B recipe's dry run against export shapes."""
 
 import json
 import os

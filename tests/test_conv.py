@@ -5,7 +5,7 @@ from algorithms.conv import GroupedDynamicConv
 
 
 def scalar_reference(conv: GroupedDynamicConv, sequence, delta, side, block_len):
-    """The §4.1 formula, one scalar at a time."""
+    """The conv formula, one scalar at a time."""
     length, hidden = sequence.shape
     out = torch.zeros(length, hidden, dtype=torch.float64)
     for t in range(length):

@@ -22,7 +22,7 @@ def test_dpace_worked_examples():
 
 
 def _reference(name: str, draft: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """fp64 formulas of spec §5.1, written independently of the implementation."""
+    """fp64 loss formulas, written independently of the implementation."""
     q, p = draft.double().softmax(-1), target.double().softmax(-1)
     kl = lambda a, b: (a * (a.log() - b.log())).sum(-1)  # noqa: E731
     alpha = torch.minimum(p, q).sum(-1)

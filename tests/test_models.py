@@ -26,7 +26,9 @@ def test_fresh_dflash2_equals_dflash_exactly(row):
     assert plain_values["unary_loss"] == extended_values["unary_loss"]
     for name in ("unary_accepted_length", "oracle_accepted_length"):
         assert plain_values[name] == extended_values[name]
-    assert extended_values["realized_accepted_length"] == extended_values["unary_accepted_length"]  # D4 init
+    assert (
+        extended_values["realized_accepted_length"] == extended_values["unary_accepted_length"]
+    )  # zero-successor init: the selector starts as a no-op
 
 
 @pytest.mark.parametrize("algorithm", ["dflash", "dflash2"])
@@ -66,7 +68,7 @@ def test_every_trainable_parameter_learns_and_frozen_tensors_stay(row):
     embed, head = draft.embed_weight.clone(), draft.head_weight.clone()
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-2)
     anchors = anchors_for(row)
-    for _ in range(2):  # D4: A and W_h start moving only after S has been updated once
+    for _ in range(2):  # zero-successor init: A and W_h start moving only after S has been updated once
         optimizer.zero_grad()
         draft.training_forward(row, anchors).loss.backward()
         optimizer.step()

@@ -68,7 +68,7 @@ def test_dflash2_matches_speculators(position_weighting):
     assert mine["teacher_forced_selector_acc"] == pytest.approx(
         _ratio(their_metrics, "teacher_forced_selector_acc"), rel=1e-4
     )
-    # D2, a documented difference: their target mass is measured after injection. Ours keeps the
+    # A documented difference: their target mass is measured after injection. Ours keeps the
     # original top-K under the spec name and emits theirs under an explicit `_injected_` name.
     assert mine["unary_candidate_target_mass_injected_at_4"] == pytest.approx(
         _ratio(their_metrics, "unary_candidate_target_mass_at_4"), rel=1e-4

@@ -31,7 +31,7 @@ def _case(seed=0, sample_from_anchor=False):
 
 
 def _reference(hidden, target_hidden, target_rows, mask, head_weight, objective):
-    """Dense: full [M, V] logits, per-position losses, weights and the §5.2 reduction, by autograd."""
+    """Dense: full [M, V] logits, per-position losses, weights and the weighted reduction, by autograd."""
     draft_logits = _transform(hidden @ head_weight.T)
     draft_logprobs = draft_logits.log_softmax(-1)
     target_logprobs = _transform(target_hidden[target_rows] @ head_weight.T).log_softmax(-1)
@@ -114,7 +114,7 @@ def test_no_gradient_work_under_no_grad():
 
 
 def test_bf16_autocast_head_gradient_within_two_percent_of_fp64():
-    """Spec §5.1: gradients with bf16 logits stay within 2% of an fp64 reference."""
+    """Gradients with bf16 logits stay within 2% of an fp64 reference."""
     hidden, target_hidden, target_rows, mask, head_weight = _case(seed=3)
     objective = UnaryObjective({"kl_div": 1.0}, "fixed-exp-decay", 4.0, 0.5, False, BLOCK, TOP_K)
     ours_hidden = hidden.clone().requires_grad_(True)

@@ -1,0 +1,37 @@
+"""Writes that a kill cannot leave half done: write beside the destination, then rename into place."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
+    """`write(tmp)` creates a file or directory beside `path`; it then replaces `path` in one rename.
+
+    An existing directory at `path` is moved aside first and removed only after the new one is in place.
+    A failed or interrupted write leaves no temporary behind (a kill -9 leaves `<name>.tmp<pid>`).
+    """
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    aside = path.with_name(f"{path.name}.old{os.getpid()}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove(tmp)
+    try:
+        write(tmp)
+        if path.is_dir() and not path.is_symlink():
+            os.replace(path, aside)
+        os.replace(tmp, path)
+    finally:
+        remove(tmp)
+        remove(aside)
+
+
+def remove(path: Path) -> None:
+    """Delete a file or directory tree if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
