@@ -151,20 +151,22 @@ def located_run(args: argparse.Namespace):
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from harness.export import NoPeerFormat, export_checkpoint, peer_format
+    from harness.export import ExportDestinationError, NoPeerFormat, check_destination, export_checkpoint, peer_format
     from harness.run import EXPORT_DIR
     from harness.targets import load_target
     from harness.train import checkpoint_config, restore_draft
 
     run = located_run(args)
     config = checkpoint_config(run)
+    out = args.out or run.path(EXPORT_DIR)
     try:
         peer_format(config.algorithm.entry)
-    except NoPeerFormat as error:
+        check_destination(out, run.workdir, args.force)
+    except (NoPeerFormat, ExportDestinationError) as error:
         raise SystemExit(f"error: {error}") from None
     target = load_target(config.target, run.workdir, config.algorithm.shared.mask_token_id)
     draft, _, step = restore_draft(run, target)
-    out = export_checkpoint(draft, args.out or run.path(EXPORT_DIR), target.source)
+    out = export_checkpoint(draft, out, target.source)
     print(f"exported {config.algorithm.algorithm} draft (step {step}) to {out}")
     print(f"serve with: vllm serve {out}   (verifier: {target.source})")
     return 0
@@ -239,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(export)
     export.add_argument("run", type=Path, help="run directory or run name")
     export.add_argument("--out", type=Path, help="output directory (default: <run>/export)")
+    export.add_argument("--force", action="store_true", help="replace a non-empty --out that is not a previous export")
     export.set_defaults(handler=cmd_export)
 
     evaluate = commands.add_parser(

@@ -70,8 +70,14 @@ class DecodeStats:
     total_seconds: float = 0.0
 
     @property
+    def has_cycles(self) -> bool:
+        """False when the request stopped before any draft-verify cycle (stop token first, or 1 new token)."""
+        return bool(self.acceptance_lengths)
+
+    @property
     def mean_acceptance_length(self) -> float:
-        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+        """Mean tau over the request's cycles; undefined (nan) for a request without any."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.has_cycles else float("nan")
 
 
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:

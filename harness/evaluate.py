@@ -63,11 +63,19 @@ def chat_prompt_ids(documents: list[Document], count: int) -> list[list[int]]:
 
 
 def summarize(runs: list[DecodeStats], prefix: str) -> dict[str, float]:
-    """Per-request mean and pooled acceptance, per-slot conditional acceptance, time shares, tokens/s."""
+    """Per-request mean and pooled acceptance, per-slot conditional acceptance, time shares, tokens/s.
+
+    A request that ended before its first cycle has no acceptance length: it is left out of the
+    per-request mean (as Z Lab's benchmark does) and counted in `_requests_without_cycles`.
+    """
     cycles = sum(len(r.acceptance_lengths) for r in runs)
+    with_cycles = [r for r in runs if r.has_cycles]
     metrics = {
-        f"{prefix}": sum(r.mean_acceptance_length for r in runs) / len(runs),
+        f"{prefix}": (
+            sum(r.mean_acceptance_length for r in with_cycles) / len(with_cycles) if with_cycles else float("nan")
+        ),
         f"{prefix}_pooled": sum(sum(r.acceptance_lengths) for r in runs) / max(1, cycles),
+        f"{prefix}_requests_without_cycles": float(len(runs) - len(with_cycles)),
     }
     slots = len(runs[0].slot_attempts)
     for slot in range(slots):
@@ -149,7 +157,7 @@ def evaluate(
                     "prompt": index,
                     "tokens": len(stats.tokens),
                     "cycles": len(stats.acceptance_lengths),
-                    "mean_acceptance_length": stats.mean_acceptance_length,
+                    "mean_acceptance_length": stats.mean_acceptance_length if stats.has_cycles else None,
                     "histogram": {
                         str(k): stats.acceptance_lengths.count(k) for k in sorted(set(stats.acceptance_lengths))
                     },

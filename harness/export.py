@@ -12,6 +12,7 @@ from algorithms import ALGORITHMS
 from algorithms.dflash import DFlashDraft
 from algorithms.registry import Algorithm, PeerFormat
 from harness.files import atomic_write
+from harness.run import EXPORT_DIR
 
 SPECULATORS_VERSION = "0.9.0"
 
@@ -113,6 +114,57 @@ def checkpoint_config(draft: DFlashDraft, verifier_name_or_path: str) -> dict:
     }
 
 
+EXPORT_FILES = ("config.json", "model.safetensors")
+
+
+class ExportDestinationError(ValueError):
+    """An --out that an export must not replace."""
+
+
+# What an export may never replace, relative to the work directory: stores, caches and run directories.
+PROTECTED = ("runs", "features", "targets", "studies", "mlartifacts", "mlflow.db", "optuna.db")
+
+
+def replaces_protected(out: Path, workdir: Path) -> bool:
+    """Whether replacing `out` would delete the work directory or anything of its stores, caches or runs.
+
+    `<workdir>/runs/<run>/export`, the default destination, is the one place under `runs/` an export owns.
+    """
+    out, work = out.resolve(), workdir.resolve()
+    if out == work or out in work.parents:
+        return True
+    for name in PROTECTED:
+        protected = work / name
+        if out == protected or out in protected.parents:
+            return True
+        if out.is_relative_to(protected):
+            inside = out.relative_to(protected).parts
+            return not (name == "runs" and len(inside) == 2 and inside[1] == EXPORT_DIR)
+    return False
+
+
+def check_destination(out_dir: Path, workdir: Path, force: bool) -> None:
+    """Refuse an --out whose contents an export would destroy.
+
+    A previous export (exactly the export files) is replaced; another non-empty directory needs `force`;
+    the work directory's stores, caches and run directories are never replaced, `force` or not.
+    """
+    out = Path(out_dir)
+    if replaces_protected(out, workdir):
+        raise ExportDestinationError(
+            f"invalid --out={str(out_dir)!r}: allowed a directory outside the work directory's stores, caches "
+            f"and run directories, or <run>/{EXPORT_DIR} (the default)"
+        )
+    if out.exists() and not out.is_dir():
+        raise ExportDestinationError(f"invalid --out={str(out_dir)!r}: allowed a directory, not a file")
+    found = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if found and set(found) != set(EXPORT_FILES) and not force:
+        raise ExportDestinationError(
+            f"invalid --out={str(out_dir)!r}: allowed an empty directory or a previous export; it holds "
+            f"{found[:5]}; pass --force to replace it"
+        )
+
+
 def export_checkpoint(draft: DFlashDraft, out_dir: Path, verifier_name_or_path: str) -> Path:
     """Write model.safetensors (bf16, no embed/head) and config.json into `out_dir`, atomically."""
     out_dir = Path(out_dir)
@@ -121,8 +173,9 @@ def export_checkpoint(draft: DFlashDraft, out_dir: Path, verifier_name_or_path: 
 
     def write(tmp: Path) -> None:
         tmp.mkdir(parents=True)
-        save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        config_file, weights_file = EXPORT_FILES
+        save_file(tensors, tmp / weights_file, metadata={"format": "pt"})
+        (tmp / config_file).write_text(json.dumps(config, indent=2))
 
     atomic_write(out_dir, write)
     return out_dir

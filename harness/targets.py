@@ -154,10 +154,12 @@ def load_target(name_or_path: str, cache_dir: Path, mask_token_id: int | None = 
         if not (out_dir / SOURCE_FILE).exists():
             out_dir.parent.mkdir(parents=True, exist_ok=True)
             convert_gguf(gguf, out_dir)
-        source, weights_hash = str(out_dir), json.loads((out_dir / SOURCE_FILE).read_text())["sha256"]
+        weights_hash = json.loads((out_dir / SOURCE_FILE).read_text())["sha256"]
+        source = str(out_dir.resolve())
     else:
-        source = name_or_path
         path = Path(name_or_path)
+        # A local directory is recorded absolute, so an export names a verifier that resolves from anywhere.
+        source = str(path.resolve()) if path.is_dir() else name_or_path
         weight_files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
         weights_hash = hashlib.sha256(
             "".join(file_sha256(f) for f in weight_files).encode() or name_or_path.encode()

@@ -1,5 +1,8 @@
 """Verification rules of speculative decoding: greedy prefix matching and lossless rejection sampling."""
 
+import math
+
+import pytest
 import torch
 
 from algorithms.dflash import Proposal
@@ -94,3 +97,27 @@ def test_unary_softmax_as_q_would_not_be_lossless():
         verdict = verify_sampled(target, Proposal(walks.tokens[n], wrong_q, None), generator)
         first[int(walks.tokens[n, 0]) if verdict.accepted >= 1 else verdict.bonus] += 1
     assert chi_square(first, target[0]) > CHI2_CRITICAL_DF11_P001
+
+
+def test_requests_without_a_cycle_are_excluded_from_the_per_request_mean_and_counted():
+    from harness.decode import DecodeStats
+    from harness.evaluate import summarize
+
+    def stats(lengths):
+        slots = [len(lengths)] * 3
+        return DecodeStats(
+            tokens=[1] * max(1, sum(lengths)),
+            acceptance_lengths=lengths,
+            slot_attempts=slots,
+            slot_accepts=slots,
+            draft_seconds=0.1,
+            verify_seconds=0.2,
+            total_seconds=0.5,
+        )
+
+    runs = [stats([2, 4]), stats([3]), stats([])]  # the last one hit a stop token before any cycle
+    metrics = summarize(runs, "m")
+    assert metrics["m"] == pytest.approx((3.0 + 3.0) / 2)  # not (3 + 3 + 0) / 3
+    assert metrics["m_pooled"] == pytest.approx(9 / 3)
+    assert metrics["m_requests_without_cycles"] == 1
+    assert math.isnan(stats([]).mean_acceptance_length)
