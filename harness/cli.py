@@ -13,6 +13,20 @@ log = logging.getLogger("dflash_lab")
 DEFAULT_ALGORITHM, DEFAULT_TARGET = "dflash2", "smollm2-135m"
 
 
+def check_device(text: str) -> None:
+    """The device must exist on this machine: cpu, cuda or cuda:N."""
+    import torch
+
+    if text == "cpu":
+        return
+    if not text.startswith("cuda") or (text != "cuda" and not text.removeprefix("cuda:").isdigit()):
+        raise SystemExit(f"error: invalid --device={text!r}: allowed cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(text.removeprefix("cuda:")) if ":" in text else 0
+    if index >= count:
+        raise SystemExit(f"error: invalid --device={text!r}: allowed cpu (this machine has {count} CUDA devices)")
+
+
 def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workdir", type=Path, default=Path("work"), help="caches, runs and the MLflow store (default: ./work)"
@@ -276,12 +290,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that bad input or an unreachable service causes: shown as one line, not a traceback."""
+    from sqlalchemy.exc import OperationalError
+
+    return (ValueError, LookupError, OSError, OperationalError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    return args.handler(args)
+    try:
+        check_device(getattr(args, "device", "cpu"))
+        return args.handler(args)
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C); finished work is kept and resumes where it stopped", file=sys.stderr)
+        return 130
+    except SystemExit as stop:
+        if not isinstance(stop.code, str):
+            raise
+        print(stop.code, file=sys.stderr)  # the commands' own one-line `error: ...`
+        return 2
+    except user_errors() as error:
+        if args.verbose:
+            raise
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        print(f"error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -182,4 +182,16 @@ def target_config(name_or_path: str, cache_dir: Path):
             return AutoConfig.from_pretrained(converted)
         gguf = embedded_gguf_path(name_or_path)
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    return AutoConfig.from_pretrained(name_or_path)
+    allowed = (
+        f"one of the embedded targets {list(EMBEDDED_TARGETS)}, a local HF model directory with config.json, "
+        "or a hub id this machine can reach"
+    )
+    path = Path(name_or_path)
+    if path.is_dir() and not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"invalid --target={name_or_path!r}: a directory without config.json; allowed {allowed}"
+        )
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError):
+        raise FileNotFoundError(f"invalid --target={name_or_path!r}: not found; allowed {allowed}") from None

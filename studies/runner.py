@@ -7,6 +7,7 @@ storage (SQLite by default, PostgreSQL for many workers) makes studies resumable
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -82,13 +83,16 @@ def _requeue_interrupted(study: optuna.Study, trial: optuna.trial.FrozenTrial) -
     )
 
 
-def make_sampler(definition: StudyDefinition) -> optuna.samplers.BaseSampler:
+def make_sampler(definition: StudyDefinition, trials_so_far: int = 0) -> optuna.samplers.BaseSampler:
+    """The study's sampler. Its seed moves on with the trials already stored, so a relaunched study
+    continues the search instead of replaying the first launch's suggestions."""
+    seed = definition.sampler_seed + trials_so_far
     if definition.sampler == "grid":
         grid = {d.knob: d.grid_values() for d in definition.search_space}
-        return optuna.samplers.GridSampler(grid, seed=definition.sampler_seed)
+        return optuna.samplers.GridSampler(grid, seed=seed)
     if definition.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=definition.sampler_seed)
-    return optuna.samplers.TPESampler(seed=definition.sampler_seed, multivariate=True)
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True)
 
 
 def make_pruner(definition: StudyDefinition) -> optuna.pruners.BasePruner:
@@ -116,10 +120,20 @@ def open_study(definition: StudyDefinition, url: str) -> optuna.Study:
         study.set_user_attr(ATTR_DEFINITION, definition.source_text)
     elif stored != definition.source_text:
         raise StudyDefinitionError(
-            f"study {definition.name!r} already exists in {url} with a "
-            "different definition; rename the study or restore the file"
+            f"study {definition.name!r} already exists in {url} with a different definition "
+            f"({first_difference(stored, definition.source_text)}); rename the study or restore the file"
         )
+    study.sampler = make_sampler(definition, len(study.get_trials(deepcopy=False)))
     return study
+
+
+def first_difference(stored: str, current: str) -> str:
+    """Where two study files first differ, as `line N: 'stored' -> 'current'`."""
+    old, new = stored.splitlines(), current.splitlines()
+    for number, (before, after) in enumerate(itertools.zip_longest(old, new, fillvalue=""), 1):
+        if before != after:
+            return f"line {number}: {before.strip()!r} -> {after.strip()!r}"
+    return "whitespace only"
 
 
 def finished_count(study: optuna.Study) -> int:
