@@ -108,16 +108,53 @@ def load_conversations(config: DataConfig, cache_dir: Path) -> list[list[dict]]:
         source = dict(path="json", data_files=config.dataset)
     else:
         source = dict(path=config.dataset)
-    table = datasets.load_dataset(**source, split=config.split)
+    if "data_files" in source and Path(source["data_files"]).stat().st_size == 0:
+        raise ValueError(f"invalid --data={config.dataset!r}: the file is empty; allowed a JSONL file of messages")
+    try:
+        table = datasets.load_dataset(**source, split=config.split)
+    except (OSError, ValueError, StopIteration) as error:
+        raise ValueError(f"invalid --data={config.dataset!r}: {type(error).__name__}: {error}") from None
     if "messages" not in table.column_names:
-        raise ValueError(f"dataset {config.dataset!r} has no 'messages' column (columns: {table.column_names})")
-    order = list(range(len(table)))
-    random.Random(config.seed).shuffle(order)
-    if len(order) < config.num_conversations:
         raise ValueError(
-            f"invalid knob num_conversations={config.num_conversations}: dataset {config.dataset!r} has {len(order)}"
+            f"invalid --data={config.dataset!r}: no 'messages' column (columns: {table.column_names}); "
+            'allowed rows of {"messages": [{"role": ..., "content": ...}, ...]}'
         )
-    return [table[i]["messages"] for i in order[: config.num_conversations]]
+    usable, skipped = [], {}
+    for index in range(len(table)):
+        reason = conversation_problem(table[index]["messages"])
+        if reason is None:
+            usable.append(index)
+        else:
+            skipped.setdefault(reason, index + 1)
+    if skipped:
+        log.warning(
+            "%s: skipped %d of %d conversations the loader cannot use: %s",
+            config.dataset,
+            len(table) - len(usable),
+            len(table),
+            "; ".join(f"{reason} (first at row {row})" for reason, row in skipped.items()),
+        )
+    random.Random(config.seed).shuffle(usable)
+    if len(usable) < config.num_conversations:
+        raise ValueError(
+            f"invalid knob num_conversations={config.num_conversations}: allowed at most the {len(usable)} "
+            f"usable conversations of {config.dataset!r}"
+        )
+    return [table[i]["messages"] for i in usable[: config.num_conversations]]
+
+
+def conversation_problem(messages) -> str | None:
+    """Why a conversation cannot be used, or None: it needs alternating user/assistant string turns,
+    starting with the user (an optional system turn first)."""
+    if not isinstance(messages, list) or not messages:
+        return "no messages"
+    turns = messages[1:] if isinstance(messages[0], dict) and messages[0].get("role") == "system" else messages
+    for position, message in enumerate(turns):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            return "a message without string content"
+        if message.get("role") != ("user", "assistant")[position % 2]:
+            return "roles not alternating user/assistant from a user turn"
+    return None if turns else "no user turn"
 
 
 def user_prompts(conversation: list[dict], max_user_turns: int) -> list[str]:

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
+# `<name>.tmp<pid>` and `<name>.old<pid>`, as atomic_write names them.
+TEMPORARY = re.compile(r"\.(tmp|old)(\d+)$")
 
 
 def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
@@ -35,3 +41,26 @@ def remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temporaries(directory: Path) -> list[Path]:
+    """Delete the temporaries that killed processes left in `directory`; a live writer's are kept."""
+    stale = [
+        path
+        for path in (sorted(directory.iterdir()) if directory.is_dir() else [])
+        if (match := TEMPORARY.search(path.name)) and not process_alive(int(match.group(2)))
+    ]
+    for path in stale:
+        log.info("removing %s, left by a process that no longer runs", path)
+        remove(path)
+    return stale

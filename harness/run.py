@@ -6,6 +6,7 @@ a file name, an MLflow status or a status tag of its own.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ from harness.tracking import RunStatus
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
+RUN_FILE = "run.json"  # the MLflow run id, written when the run starts (before any checkpoint)
 CONFIG_FILE = "config.json"
 PER_POSITION_FILE = "per_position.csv"
 EVAL_RECORDS_FILE = "eval_records.json"
@@ -67,6 +69,14 @@ class Run:
     def has_checkpoint(self) -> bool:
         return self.checkpoint_path.exists()
 
+    def exists(self) -> bool:
+        """Whether a run was started here (it may have been killed before its first checkpoint)."""
+        return self.path(RUN_FILE).exists() or self.has_checkpoint()
+
+    def recorded_run_id(self) -> str | None:
+        path = self.path(RUN_FILE)
+        return json.loads(path.read_text())["run_id"] if path.exists() else None
+
     def save_checkpoint(self, state: dict) -> None:
         """Atomic: a kill mid-write leaves the previous checkpoint intact."""
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -100,6 +110,9 @@ class Run:
             )
         self.run_id = active.info.run_id
         mlflow.set_tag(tracking.TAG_STATUS, RunStatus.RUNNING.value)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        record = json.dumps({"run_id": self.run_id, "name": self.name, "experiment": self.experiment})
+        atomic_write(self.path(RUN_FILE), lambda tmp: tmp.write_text(record))
         return self.run_id
 
     @contextmanager

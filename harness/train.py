@@ -33,6 +33,7 @@ from harness import tracking
 from harness.config import RunConfig
 from harness.data import PreparedData, prepare_documents
 from harness.features import FeatureCache, load_or_build
+from harness.files import remove_stale_temporaries
 from harness.run import CONFIG_FILE, PER_POSITION_FILE, Run
 from harness.targets import Target, load_target
 from harness.tracking import RunStatus
@@ -42,6 +43,10 @@ log = logging.getLogger(__name__)
 
 class NonFiniteLoss(RuntimeError):
     """The loss became NaN or inf; the run stops without overwriting its last good checkpoint."""
+
+
+class DegenerateRun(RuntimeError):
+    """Training ran but could not learn anything: a failed run, not a finished one."""
 
 
 @dataclass
@@ -59,6 +64,8 @@ class Workspace:
 
 def prepare_workspace(config: RunConfig, workdir: Path, device: str = "cpu") -> Workspace:
     """Target, regenerated data and the feature cache for `config` (the target runs only on a cache miss)."""
+    for cache in ("targets", "data", "features"):
+        remove_stale_temporaries(workdir / cache)
     target = load_target(config.target, workdir, config.algorithm.shared.mask_token_id, device)
     layer_ids = config.algorithm.shared.resolve_target_layer_ids(target.spec.num_hidden_layers)
     data = prepare_documents(target, config.data, workdir)
@@ -196,6 +203,7 @@ class TrainingRecipe:
         self.shared = config.algorithm.shared
         self.start_step = 0
         self.history: list[dict] = []
+        self.pending_metrics: list[tuple[dict[str, float], str, int]] = []
         self.setup()
 
     def setup(self) -> None:
@@ -218,9 +226,13 @@ class TrainingRecipe:
         """Continue from the run's checkpoint, which must come from the same config."""
         state = self.run.load_checkpoint()
         if state["config"] != self.config.to_dict():
+            stored, current = RunConfig.from_dict(state["config"]).flat_params(), self.config.flat_params()
+            changed = sorted(k for k, v in current.items() if stored.get(k) != v)
+            first = changed[0] if changed else "?"
             raise ValueError(
-                f"--resume: the checkpoint in {self.run.directory} was written with a different config; "
-                "use another --run-name"
+                f"invalid --resume of {self.run.name!r}: {first}={current.get(first)!r}, but its checkpoint was "
+                f"trained with {stored.get(first)!r} (changed: {changed}); "
+                "allowed the same config, or another --run-name"
             )
         self.draft.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -230,6 +242,7 @@ class TrainingRecipe:
         log.info("resuming %s at step %d (MLflow run %s)", self.run.name, self.start_step, self.run.run_id)
 
     def save(self, step: int) -> None:
+        """Checkpoint, then the metrics logged up to it."""
         self.run.save_checkpoint(
             {
                 "model": self.draft.state_dict(),
@@ -242,6 +255,7 @@ class TrainingRecipe:
                 "config": self.config.to_dict(),
             }
         )
+        self.flush_metrics()
 
     def training_row(self, step: int) -> PackedRow:
         """Rows in a seeded random order per epoch, so a resumed run sees the same sequence."""
@@ -280,12 +294,21 @@ class TrainingRecipe:
 
     def validate(self, step: int) -> dict[str, float]:
         values, _ = validate(self.draft, self.workspace.validation_rows, self.device, self.config.train.precision)
-        self.run.log_metrics(values, tracking.VAL_PREFIX, step)
+        self.log_metrics(values, tracking.VAL_PREFIX, step)
         self.history.append({"step": step, **values})
         return values
 
+    def log_metrics(self, values: dict[str, float], prefix: str, step: int) -> None:
+        """Held until the next checkpoint: MLflow never holds a step that a resume would log again."""
+        self.pending_metrics.append((values, prefix, step))
+
+    def flush_metrics(self) -> None:
+        for values, prefix, step in self.pending_metrics:
+            self.run.log_metrics(values, prefix, step)
+        self.pending_metrics = []
+
     def log_start(self) -> None:
-        """What a fresh run records before its first step: config, params and the untrained validation."""
+        """What a run starting at step 0 records: config, params and the untrained validation."""
         workspace, config_path = self.workspace, self.run.path(CONFIG_FILE)
         config_path.write_text(json.dumps(self.config.to_dict(), indent=2))
         self.run.log_params(
@@ -308,9 +331,11 @@ class TrainingRecipe:
         counts: MetricCounts = {}
         validation = self.history[-1] if self.history else {}
         bar = tqdm(range(self.start_step, steps), initial=self.start_step, total=steps, desc=f"train {self.run.name}")
+        all_zero = True
         for step in bar:
             output, stats = self.step(step)
             pool(counts, output.counts)
+            all_zero = all_zero and float(output.loss.detach()) == 0.0
             done = step + 1
             bar.set_postfix(
                 loss=f"{float(output.loss.detach()):.3f}",
@@ -318,7 +343,7 @@ class TrainingRecipe:
             )
             if done % train.log_every == 0 or done == steps:
                 metrics = {**finalize(counts, self.shared.block_size, self.shared.first_draft_slot), **stats}
-                self.run.log_metrics(metrics, tracking.TRAIN_PREFIX, done)
+                self.log_metrics(metrics, tracking.TRAIN_PREFIX, done)
                 counts = {}
             if done % train.eval_every == 0 or done == steps:
                 validation = self.validate(done)
@@ -333,10 +358,16 @@ class TrainingRecipe:
                 stop = on_validation(done, validation) if on_validation is not None else None
                 if stop:
                     bar.close()
+                    self.flush_metrics()
                     return self.result(validation, stopped_reason=stop)
             if done % train.checkpoint_every == 0 or done == steps:
                 self.save(done)
         bar.close()
+        if all_zero and steps > self.start_step:
+            raise DegenerateRun(
+                f"the loss was exactly 0 at every step ({self.start_step + 1}..{steps}): nothing was learned; "
+                "check that the data has supervised (assistant) tokens"
+            )
         return self.result(validation)
 
     def result(self, validation: dict[str, float], stopped_reason: str | None = None) -> TrainResult:
@@ -373,14 +404,21 @@ def train(
     """Train one draft in its own run. `on_validation` may stop it early (a pruned trial)."""
     config = with_target_defaults(config, workspace.target)
     config.validate()
+    if not any(bool(row.loss_mask.any()) for row in workspace.train_rows):
+        raise ValueError(
+            f"invalid --data={config.data.dataset!r}: the training set has no supervised (assistant) tokens; "
+            "allowed conversations with assistant turns"
+        )
     run = Run(workspace.workdir, run_name or default_run_name(config), experiment)
     recipe = TrainingRecipe(config, workspace, run, device)
-    if resume and run.has_checkpoint():
-        recipe.resume()
-    elif run.has_checkpoint():
+    if run.exists() and not resume:
         raise FileExistsError(
             f"{run.directory} already holds a run; pass --resume to continue it or choose another --run-name"
         )
+    if run.has_checkpoint():
+        recipe.resume()
+    elif run.exists():  # killed before its first checkpoint: the same MLflow run starts again from step 0
+        run.run_id = run.recorded_run_id()
     run.directory.mkdir(parents=True, exist_ok=True)
     run_tags = {
         tracking.TAG_ALGORITHM: config.algorithm.algorithm,

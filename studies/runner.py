@@ -191,7 +191,7 @@ class StudyRunner:
             config,
             self.workspace,
             run_name=run_name,
-            resume=Run(self.workdir, run_name).has_checkpoint(),
+            resume=Run(self.workdir, run_name).exists(),
             device=self.device,
             tags={tracking.TAG_STUDY: self.definition.name, **tags},
             parent_run_id=self.parent_run_id,

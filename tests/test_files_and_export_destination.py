@@ -67,3 +67,22 @@ def test_export_replaces_a_previous_export_and_writes_the_default_place(tmp_path
     check_destination(previous, workdir, force=False)
     check_destination(workdir / "runs" / "my-run" / "export", workdir, force=False)
     check_destination(tmp_path / "fresh", workdir, force=False)
+
+
+def test_stale_temporaries_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from harness.files import remove_stale_temporaries
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    (tmp_path / f"abc.tmp{dead_pid}").mkdir()
+    (tmp_path / f"abc.tmp{dead_pid}" / "shard.safetensors").write_bytes(b"x" * 10)
+    (tmp_path / f"doc.json.tmp{dead_pid}").write_text("{}")
+    (tmp_path / f"mine.tmp{os.getpid()}").mkdir()
+    (tmp_path / "abc").mkdir()
+    removed = remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in removed) == sorted([f"abc.tmp{dead_pid}", f"doc.json.tmp{dead_pid}"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["abc", f"mine.tmp{os.getpid()}"])

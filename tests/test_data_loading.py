@@ -1,0 +1,56 @@
+"""The data loader says what it cannot use: bad rows are skipped and counted, unusable files are refused."""
+
+import json
+import logging
+
+import pytest
+
+from harness.data import DataConfig, conversation_problem, load_conversations
+
+GOOD = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+@pytest.mark.parametrize(
+    ("messages", "problem"),
+    [
+        (GOOD, None),
+        ([{"role": "system", "content": "be brief"}, *GOOD], None),
+        (list(reversed(GOOD)), "roles not alternating user/assistant from a user turn"),
+        ([GOOD[0], GOOD[0]], "roles not alternating user/assistant from a user turn"),
+        ([], "no messages"),
+        (None, "no messages"),
+        ([{"role": "user", "content": None}], "a message without string content"),
+    ],
+)
+def test_conversation_problems(messages, problem):
+    assert conversation_problem(messages) == problem
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_unusable_conversations_are_skipped_with_a_count(tmp_path, caplog):
+    rows = [{"messages": GOOD}] * 4 + [{"messages": list(reversed(GOOD))}] * 2
+    data = _write(tmp_path / "chat.jsonl", rows)
+    with caplog.at_level(logging.WARNING):
+        loaded = load_conversations(DataConfig(dataset=str(data), num_conversations=4, num_validation=1), tmp_path)
+    assert loaded == [GOOD] * 4
+    assert "skipped 2 of 6 conversations" in caplog.text and "first at row 5" in caplog.text
+
+
+def test_too_few_usable_conversations_name_the_count(tmp_path):
+    data = _write(tmp_path / "chat.jsonl", [{"messages": GOOD}] * 2 + [{"messages": list(reversed(GOOD))}] * 5)
+    with pytest.raises(ValueError, match=r"num_conversations=4: allowed at most the 2 usable conversations"):
+        load_conversations(DataConfig(dataset=str(data), num_conversations=4, num_validation=1), tmp_path)
+
+
+def test_an_empty_file_and_a_file_without_messages_are_refused(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"invalid --data=.*empty.jsonl': the file is empty"):
+        load_conversations(DataConfig(dataset=str(empty), num_conversations=4, num_validation=1), tmp_path)
+    other = _write(tmp_path / "other.jsonl", [{"text": "no messages here"}] * 3)
+    with pytest.raises(ValueError, match=r"invalid --data=.*other.jsonl': no 'messages' column"):
+        load_conversations(DataConfig(dataset=str(other), num_conversations=2, num_validation=1), tmp_path)
