@@ -104,6 +104,9 @@ def unary_counts(stats: RowStatistics, mask: torch.Tensor, block_size: int, firs
     tv_length = 1.0 + (blocks(stats.overlap.double() * weight)).cumprod(-1).sum(-1)
     counts["accept_len_tv"] = _pair((tv_length * counted).sum(), counted.sum())
     counts.update(path_counts("unary", blocks(unary_correct), block_valid, first_slot))
+    # A documented difference from speculators 0.9.0: with sample_from_anchor (plain DFlash only) every path
+    # here, the oracle's included, starts at slot 0, the first slot the draft predicts; speculators' oracle
+    # path starts at slot 1 there. Without sample_from_anchor both start at slot 1.
     counts.update(path_counts("oracle", blocks(in_candidates), block_valid, first_slot))
     return counts
 

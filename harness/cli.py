@@ -304,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         check_device(getattr(args, "device", "cpu"))
+        if not getattr(args, "dry_run", False):
+            from harness import tracking
+
+            tracking.check_reachable(args.workdir)
         return args.handler(args)
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl-C); finished work is kept and resumes where it stopped", file=sys.stderr)

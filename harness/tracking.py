@@ -70,9 +70,37 @@ def configure(workdir: Path, experiment: str = DEFAULT_EXPERIMENT) -> str:
     existing = mlflow.get_experiment_by_name(experiment)
     if existing is not None:
         return existing.experiment_id
-    if tracking_uri(workdir).startswith(("http://", "https://")):  # a server stores (or proxies) artifacts itself
-        return mlflow.create_experiment(experiment)
-    return mlflow.create_experiment(experiment, artifact_location=(workdir / "mlartifacts").resolve().as_uri())
+    # A server stores (or proxies) artifacts itself; every local store keeps them under the work directory.
+    local = not is_server(tracking_uri(workdir))
+    location = (workdir / "mlartifacts").resolve().as_uri() if local else None
+    try:
+        return mlflow.create_experiment(experiment, artifact_location=location)
+    except mlflow.exceptions.MlflowException:  # another launch created it a moment ago
+        existing = mlflow.get_experiment_by_name(experiment)
+        if existing is None:
+            raise
+        return existing.experiment_id
+
+
+def is_server(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def check_reachable(workdir: Path, timeout_s: float = 5.0) -> None:
+    """Fail fast, before any work, when the tracking server does not answer."""
+    import urllib.error
+    import urllib.request
+
+    uri = tracking_uri(workdir)
+    if not is_server(uri):
+        return
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s).close()
+    except (urllib.error.URLError, OSError) as error:
+        raise ConnectionError(
+            f"invalid MLFLOW_TRACKING_URI={uri!r}: no MLflow server answered within {timeout_s:.0f} s ({error}); "
+            "allowed a running tracking server, or unset it to use the work directory's SQLite store"
+        ) from None
 
 
 def ui_command(workdir: Path) -> str:

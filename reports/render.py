@@ -18,6 +18,7 @@ from algorithms.metrics import (
 )
 from algorithms.registry import REFERENCE_ALGORITHM
 from harness import tracking
+from harness.tracking import RunStatus
 from reports.collect import TUNED_KNOBS, StudyRecord
 
 GENERATED_PREFIX = "Generated: "
@@ -46,7 +47,7 @@ def label(row: pd.Series) -> str:
 
 def completed(record: StudyRecord) -> pd.DataFrame:
     runs = record.runs
-    return runs[runs["status"] == "complete"] if not runs.empty else runs
+    return runs[runs["status"] == RunStatus.FINISHED] if not runs.empty else runs
 
 
 def header(record: StudyRecord) -> str:
@@ -356,7 +357,7 @@ def verdicts(record: StudyRecord) -> str:
 
 def problems(record: StudyRecord) -> str:
     runs = record.runs
-    bad = runs[runs["status"].isin(["pruned", "failed", "infeasible", "running"])] if not runs.empty else runs
+    bad = runs[runs["status"] != RunStatus.FINISHED] if not runs.empty else runs
     if bad.empty:
         return "## Pruned, infeasible and failed runs\n\nNone."
     rows = [

@@ -15,11 +15,13 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
 import optuna
+import sqlalchemy
 import torch
 
 from algorithms import AlgorithmConfig
@@ -57,13 +59,23 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
     A trial counts as dead after DFLASH_LAB_HEARTBEAT_GRACE_S seconds (default 60) without a heartbeat.
     """
     grace = int(os.environ.get("DFLASH_LAB_HEARTBEAT_GRACE_S", "60"))
-    return optuna.storages.RDBStorage(
-        url,
-        heartbeat_interval=max(1, grace // 3),
-        grace_period=grace,
-        heartbeat_stale_trial_callback=_requeue_interrupted,
-        engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
-    )
+    # SQLite waits for a busy writer; a database server that does not answer fails within 10 s.
+    connect = {"timeout": 60} if url.startswith("sqlite") else {"connect_timeout": 10}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats are what we rely on
+        try:
+            return optuna.storages.RDBStorage(
+                url,
+                heartbeat_interval=max(1, grace // 3),
+                grace_period=grace,
+                heartbeat_stale_trial_callback=_requeue_interrupted,
+                engine_kwargs={"connect_args": connect},
+            )
+        except sqlalchemy.exc.OperationalError as error:
+            reason = str(error.orig).strip().splitlines()[0] if error.orig else str(error)
+            raise ConnectionError(
+                f"invalid --storage={url!r}: {reason}; allowed a reachable database (sqlite or postgresql URL)"
+            ) from None
 
 
 def _requeue_interrupted(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
@@ -476,8 +488,8 @@ def launch(
 ) -> dict:
     """Create or resume the study, run baselines (launcher only) and trials, and summarise."""
     url = storage_url(workdir, storage)
-    tracking.configure(workdir, definition.name)
     study = open_study(definition, url)
+    tracking.configure(workdir, definition.name)
     parent = ensure_parent_run(definition, study, workdir)
     if n_jobs > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // n_jobs))

@@ -164,3 +164,41 @@ def test_config_file_sets_algorithm_and_an_explicit_flag_beats_it(tmp_path):
     assert (plan["algorithm"], plan["knobs"]["conv_kernel_size"], plan["train"]["max_steps"]) == ("dflash+conv", 3, 7)
     plan = json.loads(_run([*common, "--conv-kernel-size", "2", "--max-steps", "9"]).stdout)["config"]
     assert (plan["knobs"]["conv_kernel_size"], plan["train"]["max_steps"]) == (2, 9)
+
+
+def _fingerprint(workdir: Path) -> dict[str, str]:
+    import hashlib
+
+    return {
+        str(path.relative_to(workdir)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(workdir.rglob("*"))
+        if path.is_file()
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["train", "--device", "cuda"], {}, "invalid --device='cuda': allowed cpu"),
+        (["train", "--target", "does/not/exist"], {}, "invalid --target='does/not/exist': not found"),
+        (["train", "--target", "tests"], {}, "invalid --target='tests': a directory without config.json"),
+        (["train", "--max-steps", "2"], {"MLFLOW_TRACKING_URI": "http://127.0.0.1:1"}, "no MLflow server answered"),
+        (
+            ["study", "launch", "studies/default.yaml", "--storage", "postgresql://nobody@127.0.0.1:1/none"],
+            {},
+            "connection",
+        ),
+        (["export", "no-such-run"], {}, "no checkpoint for run 'no-such-run'"),
+    ],
+)
+def test_bad_input_ends_in_one_error_line_exit_2_and_leaves_the_workdir_alone(tmp_path, args, env, message):
+    workdir = tmp_path / "work"
+    (workdir / "runs" / "kept").mkdir(parents=True)
+    (workdir / "runs" / "kept" / "checkpoint.pt").write_bytes(b"checkpoint")
+    before = _fingerprint(workdir)
+    done = _run([*CLI, *args, "--workdir", str(workdir)], env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert _fingerprint(workdir) == before

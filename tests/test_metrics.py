@@ -79,3 +79,17 @@ def test_table_one_arithmetic():
         assert values["oracle_accepted_length"] == pytest.approx(tau, abs=0.006)
         for slot, r in enumerate(recalls, start=1):
             assert values[f"oracle_position_{slot}_conditional_acc"] == pytest.approx(r, abs=1e-3)
+
+
+def test_with_sample_from_anchor_the_oracle_path_starts_at_slot_0():
+    """The documented difference from speculators (whose oracle starts at slot 1): ours scores slot 0 too."""
+    from algorithms.metrics import finalize
+
+    from conftest import anchors_for, packed_row, tiny_draft
+
+    draft = tiny_draft("dflash", sample_from_anchor=True, loss="kl_div", position_weighting="fixed-exp-decay")
+    row = packed_row()
+    values = finalize(draft.training_forward(row, anchors_for(row)).counts)
+    assert "oracle_position_0_conditional_acc" in values and "unary_position_0_conditional_acc" in values
+    without = tiny_draft("dflash", loss="kl_div", position_weighting="fixed-exp-decay")
+    assert "oracle_position_0_conditional_acc" not in finalize(without.training_forward(row, anchors_for(row)).counts)
