@@ -121,7 +121,7 @@ def load_conversations(config: DataConfig, cache_dir: Path) -> list[list[dict]]:
         )
     usable, skipped = [], {}
     for index in range(len(table)):
-        reason = conversation_problem(table[index]["messages"])
+        reason = conversation_problem(table[index]["messages"], config.regenerate)
         if reason is None:
             usable.append(index)
         else:
@@ -143,15 +143,19 @@ def load_conversations(config: DataConfig, cache_dir: Path) -> list[list[dict]]:
     return [table[i]["messages"] for i in usable[: config.num_conversations]]
 
 
-def conversation_problem(messages) -> str | None:
-    """Why a conversation cannot be used, or None: it needs alternating user/assistant string turns,
-    starting with the user (an optional system turn first)."""
+def conversation_problem(messages, regenerate: bool = True) -> str | None:
+    """Why a conversation cannot be used, or None. Regeneration needs a user turn with text (the target
+    writes the replies); the dataset's own replies need user/assistant turns alternating from a user turn
+    (an optional system turn first)."""
     if not isinstance(messages, list) or not messages:
         return "no messages"
-    turns = messages[1:] if isinstance(messages[0], dict) and messages[0].get("role") == "system" else messages
+    if any(not isinstance(m, dict) or not isinstance(m.get("content"), str) for m in messages):
+        return "a message without string content"
+    if regenerate:
+        has_user = any(m.get("role") == "user" and m["content"].strip() for m in messages)
+        return None if has_user else "no user turn with text"
+    turns = messages[1:] if messages[0].get("role") == "system" else messages
     for position, message in enumerate(turns):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            return "a message without string content"
         if message.get("role") != ("user", "assistant")[position % 2]:
             return "roles not alternating user/assistant from a user turn"
     return None if turns else "no user turn"

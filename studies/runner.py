@@ -96,12 +96,13 @@ def _requeue_interrupted(study: optuna.Study, trial: optuna.trial.FrozenTrial) -
 
 
 def make_sampler(definition: StudyDefinition, trials_so_far: int = 0) -> optuna.samplers.BaseSampler:
-    """The study's sampler. Its seed moves on with the trials already stored, so a relaunched study
-    continues the search instead of replaying the first launch's suggestions."""
-    seed = definition.sampler_seed + trials_so_far
+    """The study's sampler. A random or TPE seed moves on with the trials already stored, so a relaunched
+    study continues the search instead of replaying the first launch's suggestions. A grid keeps its seed:
+    its stored cell ids index the seed's shuffled grid, and it never revisits a cell anyway."""
     if definition.sampler == "grid":
         grid = {d.knob: d.grid_values() for d in definition.search_space}
-        return optuna.samplers.GridSampler(grid, seed=seed)
+        return optuna.samplers.GridSampler(grid, seed=definition.sampler_seed)
+    seed = definition.sampler_seed + trials_so_far
     if definition.sampler == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed, multivariate=True)
@@ -488,6 +489,7 @@ def launch(
 ) -> dict:
     """Create or resume the study, run baselines (launcher only) and trials, and summarise."""
     url = storage_url(workdir, storage)
+    workdir.mkdir(parents=True, exist_ok=True)  # the default SQLite storage lives there
     study = open_study(definition, url)
     tracking.configure(workdir, definition.name)
     parent = ensure_parent_run(definition, study, workdir)

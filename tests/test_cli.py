@@ -202,3 +202,25 @@ def test_bad_input_ends_in_one_error_line_exit_2_and_leaves_the_workdir_alone(tm
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert _fingerprint(workdir) == before
+
+
+def test_ctrl_c_ends_with_one_line_and_exit_130(tmp_path):
+    import signal
+    import time
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    process = subprocess.Popen(
+        [*CLI, "prepare", "--workdir", str(tmp_path / "work")],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(6)  # past start-up, inside the target conversion or data regeneration
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1].startswith("error: interrupted (Ctrl-C)") and "Traceback" not in stderr
+    leftovers = [p.name for p in (tmp_path / "work").rglob("*") if ".tmp" in p.name]
+    assert leftovers == []

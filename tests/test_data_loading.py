@@ -10,20 +10,26 @@ from harness.data import DataConfig, conversation_problem, load_conversations
 GOOD = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
 
+ASSISTANT_ONLY = [{"role": "assistant", "content": "hello"}]
+
+
 @pytest.mark.parametrize(
-    ("messages", "problem"),
+    ("messages", "regenerate", "problem"),
     [
-        (GOOD, None),
-        ([{"role": "system", "content": "be brief"}, *GOOD], None),
-        (list(reversed(GOOD)), "roles not alternating user/assistant from a user turn"),
-        ([GOOD[0], GOOD[0]], "roles not alternating user/assistant from a user turn"),
-        ([], "no messages"),
-        (None, "no messages"),
-        ([{"role": "user", "content": None}], "a message without string content"),
+        (GOOD, False, None),
+        ([{"role": "system", "content": "be brief"}, *GOOD], False, None),
+        (list(reversed(GOOD)), False, "roles not alternating user/assistant from a user turn"),
+        ([GOOD[0], GOOD[0]], False, "roles not alternating user/assistant from a user turn"),
+        (list(reversed(GOOD)), True, None),  # regeneration only needs the user turns
+        (ASSISTANT_ONLY, True, "no user turn with text"),
+        ([{"role": "user", "content": "  "}], True, "no user turn with text"),
+        ([], True, "no messages"),
+        (None, True, "no messages"),
+        ([{"role": "user", "content": None}], True, "a message without string content"),
     ],
 )
-def test_conversation_problems(messages, problem):
-    assert conversation_problem(messages) == problem
+def test_conversation_problems(messages, regenerate, problem):
+    assert conversation_problem(messages, regenerate) == problem
 
 
 def _write(path, rows):
@@ -32,7 +38,7 @@ def _write(path, rows):
 
 
 def test_unusable_conversations_are_skipped_with_a_count(tmp_path, caplog):
-    rows = [{"messages": GOOD}] * 4 + [{"messages": list(reversed(GOOD))}] * 2
+    rows = [{"messages": GOOD}] * 4 + [{"messages": ASSISTANT_ONLY}] * 2
     data = _write(tmp_path / "chat.jsonl", rows)
     with caplog.at_level(logging.WARNING):
         loaded = load_conversations(DataConfig(dataset=str(data), num_conversations=4, num_validation=1), tmp_path)
@@ -43,7 +49,8 @@ def test_unusable_conversations_are_skipped_with_a_count(tmp_path, caplog):
 def test_too_few_usable_conversations_name_the_count(tmp_path):
     data = _write(tmp_path / "chat.jsonl", [{"messages": GOOD}] * 2 + [{"messages": list(reversed(GOOD))}] * 5)
     with pytest.raises(ValueError, match=r"num_conversations=4: allowed at most the 2 usable conversations"):
-        load_conversations(DataConfig(dataset=str(data), num_conversations=4, num_validation=1), tmp_path)
+        config = DataConfig(dataset=str(data), num_conversations=4, num_validation=1, regenerate=False)
+        load_conversations(config, tmp_path)
 
 
 def test_an_empty_file_and_a_file_without_messages_are_refused(tmp_path):

@@ -119,3 +119,58 @@ def test_zlab_spec_generate_matches_our_loop(e2e_workspace, trained, tmp_path, a
             )
         assert reference.output_ids[0, len(prompt) :].tolist() == ours.tokens
         assert reference.acceptance_lengths == ours.acceptance_lengths
+
+
+@pytest.mark.peer
+def test_export_loads_in_speculators_from_another_working_directory(e2e_workspace, e2e_workdir, trained, tmp_path):
+    """The export names its verifier by an absolute path, so vLLM's loader works from any directory."""
+    pytest.importorskip("speculators", reason="speculators==0.9.0 is not installed (.ci/run installs it)")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = tmp_path / "exported"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "export",
+            "learns-dflash2",
+            "--workdir",
+            str(e2e_workdir),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+    assert verifier.startswith("/")
+    load = (
+        "import sys; from speculators.models.dflash2 import DFlash2DraftModel; "
+        "DFlash2DraftModel.from_pretrained(sys.argv[1])"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", load, str(out)], cwd=elsewhere, capture_output=True, text=True, timeout=600
+    )
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    (out / "notes.txt").write_text("a user's file")
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness.cli",
+            "export",
+            "learns-dflash2",
+            "--workdir",
+            str(e2e_workdir),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert refused.returncode == 2 and "pass --force to replace it" in refused.stderr
+    assert (out / "notes.txt").exists()

@@ -244,3 +244,54 @@ def test_training_raises_validation_acceptance_above_untrained(trained, algorith
     assert final["realized_accepted_length"] > untrained["realized_accepted_length"] + min_gain
     assert final["oracle_accepted_length"] >= final["realized_accepted_length"]
     assert final["loss"] < untrained["loss"] / 2
+
+
+def test_a_run_killed_before_its_first_checkpoint_resumes_in_the_same_mlflow_run(e2e_workspace, e2e_workdir):
+    args = [
+        sys.executable,
+        "-m",
+        "harness.cli",
+        "train",
+        "--workdir",
+        str(e2e_workdir),
+        "--run-name",
+        "early-kill",
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "2",
+        "--checkpoint-every",
+        "4",
+        "--log-every",
+        "1",
+        "--num-conversations",
+        "40",
+        "--num-validation",
+        "8",
+        "--row-length",
+        "512",
+        "--max-anchors",
+        "16",
+    ]
+    config_path = e2e_workdir / "early.yaml"
+    config_path.write_text("data: {max_new_tokens: 48, max_length: 192}\n")
+    args += ["--config", str(config_path)]
+    run_file = e2e_workdir / "runs" / "early-kill" / "run.json"
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not run_file.exists() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    process.kill()
+    process.wait()
+    assert run_file.exists() and not (e2e_workdir / "runs" / "early-kill" / "checkpoint.pt").exists()
+    _, run = _run(e2e_workdir, "early-kill")
+    first_run_id = run.info.run_id
+
+    done = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    client, run = _run(e2e_workdir, "early-kill")
+    assert run.info.run_id == first_run_id and run.info.status == "FINISHED"
+    for key in ("val/realized_accepted_length", "train/loss"):
+        steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
+        assert len(steps) == len(set(steps)), f"{key} logged a step twice: {steps}"
+    assert run.data.tags[tracking.TAG_STATUS] == "finished"

@@ -1,6 +1,7 @@
 """Studies end to end on the embedded target: launch, MLflow structure, reports, resume and workers."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -138,7 +139,7 @@ def test_report_numbers_equal_mlflow_and_regenerate_identically(launched, e2e_wo
             evaluated += 1
             assert cell["measured T=0"] == f"{metrics['eval/measured_accepted_length_greedy']:.4f}"
     assert evaluated == 1
-    assert "| trial 0 | infeasible | infeasible: invalid knob conv_group_size=7" in markdown
+    assert re.search(r"\| trial \d+ \| infeasible \| invalid knob conv_group_size=7", markdown)
 
     # every image link resolves to a real, non-empty PNG
     for link in [part.split(")")[0] for part in markdown.split("](")[1:]]:

@@ -1,0 +1,28 @@
+"""Tracking names and the store: artifacts stay under the work directory for every local store."""
+
+import mlflow
+import pytest
+
+from harness import tracking
+from harness.tracking import RunStatus
+
+
+@pytest.mark.parametrize("uri_kind", ["default", "explicit-sqlite"])
+def test_artifacts_live_under_the_workdir_for_local_stores(tmp_path, monkeypatch, uri_kind):
+    workdir = tmp_path / "work"
+    if uri_kind == "explicit-sqlite":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'elsewhere.db'}")
+    else:
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    experiment_id = tracking.configure(workdir, "artifacts-check")
+    assert tracking.configure(workdir, "artifacts-check") == experiment_id  # a second launch reuses it
+    location = tracking.client(workdir).get_experiment(experiment_id).artifact_location
+    assert location == (workdir / "mlartifacts").resolve().as_uri()
+    mlflow.set_tracking_uri("")  # leave no global store behind for other tests
+
+
+def test_status_round_trips_through_tags_and_maps_to_mlflow_statuses():
+    for status in RunStatus:
+        assert RunStatus.of({tracking.TAG_STATUS: status.value}, "KILLED") is status
+    assert RunStatus.PRUNED.mlflow_status == RunStatus.INFEASIBLE.mlflow_status == "KILLED"
+    assert RunStatus.of({}, "FINISHED") is RunStatus.FINISHED and RunStatus.of({}, "RUNNING") is RunStatus.RUNNING
