@@ -128,22 +128,8 @@ def test_export_loads_in_speculators_from_another_working_directory(e2e_workspac
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     out = tmp_path / "exported"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness.cli",
-            "export",
-            "learns-dflash2",
-            "--workdir",
-            str(e2e_workdir),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    export = [sys.executable, "-m", "harness.cli", "export", "learns-dflash2", "--workdir", str(e2e_workdir)]
+    done = subprocess.run([*export, "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     verifier = json.loads((out / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
     assert verifier.startswith("/")
@@ -156,21 +142,6 @@ def test_export_loads_in_speculators_from_another_working_directory(e2e_workspac
     )
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     (out / "notes.txt").write_text("a user's file")
-    refused = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness.cli",
-            "export",
-            "learns-dflash2",
-            "--workdir",
-            str(e2e_workdir),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    refused = subprocess.run([*export, "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "pass --force to replace it" in refused.stderr
     assert (out / "notes.txt").exists()

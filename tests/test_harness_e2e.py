@@ -181,41 +181,46 @@ def test_nan_loss_stops_the_run_cleanly(e2e_workspace, e2e_workdir):
     assert state["step"] == 2 and all(torch.isfinite(v).all() for v in state["model"].values())
 
 
+def _cli_train(workdir, run_name: str, *flags: str) -> list[str]:
+    """`dflash-lab train` at the end-to-end sizes (conftest.e2e_run_config), as a subprocess command."""
+    config_path = workdir / f"{run_name}.yaml"
+    config_path.write_text("data: {max_new_tokens: 48, max_length: 192}\n")
+    sizes = ["--num-conversations", "40", "--num-validation", "8", "--row-length", "512", "--max-anchors", "16"]
+    return [
+        *(sys.executable, "-m", "harness.cli", "train", "--workdir", str(workdir), "--run-name", run_name),
+        *sizes,
+        *("--config", str(config_path)),
+        *flags,
+    ]
+
+
+def _kill_once_written(args: list[str], path) -> None:
+    """Run `args` and kill -9 it as soon as `path` exists."""
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not path.exists() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    process.kill()
+    process.wait()
+
+
 def test_resume_after_kill_continues_the_same_run(e2e_workspace, e2e_workdir):
-    args = [
-        sys.executable,
-        "-m",
-        "harness.cli",
-        "train",
+    args = _cli_train(
+        e2e_workdir,
+        "resume-check",
         "--algorithm",
         "dflash2",
-        "--workdir",
-        str(e2e_workdir),
-        "--run-name",
-        "resume-check",
         "--max-steps",
         "8",
         "--eval-every",
         "2",
-        "--num-conversations",
-        "40",
-        "--num-validation",
-        "8",
-        "--row-length",
-        "512",
-        "--max-anchors",
-        "16",
-    ]
-    config_path = e2e_workdir / "resume.yaml"
-    config_path.write_text("data: {max_new_tokens: 48, max_length: 192}\ntrain: {checkpoint_every: 2, log_every: 1}\n")
-    args += ["--config", str(config_path)]
+        "--checkpoint-every",
+        "2",
+        "--log-every",
+        "1",
+    )
     checkpoint = e2e_workdir / "runs" / "resume-check" / "checkpoint.pt"
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not checkpoint.exists() and time.time() < deadline and process.poll() is None:
-        time.sleep(0.2)
-    process.kill()
-    process.wait()
+    _kill_once_written(args, checkpoint)
     killed_at = torch.load(checkpoint, weights_only=False)["step"]
     assert 2 <= killed_at < 8, "the run must be killed mid-way"
     _, run = _run(e2e_workdir, "resume-check")
@@ -247,14 +252,8 @@ def test_training_raises_validation_acceptance_above_untrained(trained, algorith
 
 
 def test_a_run_killed_before_its_first_checkpoint_resumes_in_the_same_mlflow_run(e2e_workspace, e2e_workdir):
-    args = [
-        sys.executable,
-        "-m",
-        "harness.cli",
-        "train",
-        "--workdir",
-        str(e2e_workdir),
-        "--run-name",
+    args = _cli_train(
+        e2e_workdir,
         "early-kill",
         "--max-steps",
         "4",
@@ -264,25 +263,9 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_in_the_same_mlflow_run
         "4",
         "--log-every",
         "1",
-        "--num-conversations",
-        "40",
-        "--num-validation",
-        "8",
-        "--row-length",
-        "512",
-        "--max-anchors",
-        "16",
-    ]
-    config_path = e2e_workdir / "early.yaml"
-    config_path.write_text("data: {max_new_tokens: 48, max_length: 192}\n")
-    args += ["--config", str(config_path)]
+    )
     run_file = e2e_workdir / "runs" / "early-kill" / "run.json"
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not run_file.exists() and time.time() < deadline and process.poll() is None:
-        time.sleep(0.1)
-    process.kill()
-    process.wait()
+    _kill_once_written(args, run_file)
     assert run_file.exists() and not (e2e_workdir / "runs" / "early-kill" / "checkpoint.pt").exists()
     _, run = _run(e2e_workdir, "early-kill")
     first_run_id = run.info.run_id
