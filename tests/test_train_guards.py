@@ -1,0 +1,28 @@
+"""Training refuses what cannot teach anything, before any run is recorded."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from algorithms import AlgorithmConfig
+from harness.config import RunConfig
+from harness.train import Workspace, train
+
+from conftest import frozen_tensors, packed_row, tiny_target
+
+
+def _workspace(tmp_path, train_rows):
+    embed, head = frozen_tensors()
+    target = SimpleNamespace(spec=tiny_target(), embed_weight=embed, head_weight=head, mask_token_id=5)
+    data = SimpleNamespace(dataset_id="unsupervised.jsonl", dataset_hash="h")
+    return Workspace(tmp_path, target, data, None, True, train_rows, [packed_row()])
+
+
+def test_a_training_set_without_supervised_tokens_is_refused(tmp_path):
+    row = packed_row()
+    row.loss_mask.zero_()
+    config = RunConfig(AlgorithmConfig.preset("dflash", block_size=4, num_draft_layers=1, candidate_top_k=4))
+    config.data.dataset = "unsupervised.jsonl"
+    with pytest.raises(ValueError, match=r"invalid --data='unsupervised.jsonl': the training set has no supervised"):
+        train(config, _workspace(tmp_path, [row]), run_name="nothing-to-learn")
+    assert not (tmp_path / "runs" / "nothing-to-learn").exists()
