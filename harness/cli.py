@@ -303,10 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        check_device(getattr(args, "device", "cpu"))
-        if not getattr(args, "dry_run", False):
+        if not getattr(args, "dry_run", False):  # a dry run touches no device and no store
             from harness import tracking
 
+            check_device(getattr(args, "device", "cpu"))
             tracking.check_reachable(args.workdir)
         return args.handler(args)
     except KeyboardInterrupt:

@@ -33,6 +33,7 @@ from harness.evaluate import evaluate, log_evaluation
 from harness.run import Run
 from harness.tracking import RunStatus
 from harness.train import ValidationHook, Workspace, prepare_workspace, restore_draft, train, with_target_defaults
+from studies.claims import Claims, ClaimState
 from studies.schema import PUBLISHED_SUFFIX, StudyDefinition, StudyDefinitionError
 
 log = logging.getLogger(__name__)
@@ -46,11 +47,16 @@ ATTR_INTERRUPTED = "interrupted_trials"  # study attr: failed trials whose worke
 ATTR_EVALUATED = "evaluated_trials"  # study attr: trials whose draft was already evaluated by speculative decoding
 ATTR_WORKER = "worker"
 ATTR_ORIGIN = "origin_trial"  # the first trial number of a retried config: its run name, so the run resumes
-ATTR_BASELINES_DONE = "baselines_done"  # study attr: baseline run names that finished
+CLAIM_POLL_S = 2.0  # how often a launcher waiting on another's baseline or parent run looks again
+PARENT_CLAIM = "parent-run"
 
 
 def storage_url(workdir: Path, storage: str | None) -> str:
     return storage or f"sqlite:///{(workdir / 'optuna.db').resolve()}"
+
+
+def heartbeat_grace_s() -> int:
+    return int(os.environ.get("DFLASH_LAB_HEARTBEAT_GRACE_S", "60"))
 
 
 def make_storage(url: str) -> optuna.storages.RDBStorage:
@@ -58,7 +64,7 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
 
     A trial counts as dead after DFLASH_LAB_HEARTBEAT_GRACE_S seconds (default 60) without a heartbeat.
     """
-    grace = int(os.environ.get("DFLASH_LAB_HEARTBEAT_GRACE_S", "60"))
+    grace = heartbeat_grace_s()
     # SQLite waits for a busy writer; a database server that does not answer fails within 10 s.
     connect = {"timeout": 60} if url.startswith("sqlite") else {"connect_timeout": 10}
     with warnings.catch_warnings():
@@ -193,6 +199,7 @@ class StudyRunner:
     workspace: Workspace
     study: optuna.Study
     parent_run_id: str
+    claims: Claims
     device: str = "cpu"
 
     @property
@@ -212,22 +219,32 @@ class StudyRunner:
             experiment=self.definition.name,
         )
 
-    def run_baselines(self) -> None:
-        """Each baseline with the study's pinned shared knobs, per seed, once."""
-        done = self.study.user_attrs.get(ATTR_BASELINES_DONE, [])
-        for seed in self.definition.seeds:
-            for baseline in self.definition.baselines:
+    def run_baselines(self, wait: bool = False) -> None:
+        """Each baseline with the study's pinned shared knobs, per seed, exactly once across every launcher.
+
+        A baseline another live launcher holds is left to it; with `wait`, this launcher waits until each is
+        done, and takes over one whose holder died.
+        """
+        pending = [(baseline, seed) for seed in self.definition.seeds for baseline in self.definition.baselines]
+        while True:
+            for baseline, seed in list(pending):
                 name = baseline_run_name(self.definition.name, baseline, seed)
-                if name in done:
-                    continue
-                config = baseline_config(self.definition, baseline, seed)
-                knobs = dataclasses.asdict(config.algorithm.knobs)
-                print(f"[baseline] {baseline} seed {seed}: {config.algorithm.algorithm} {knobs}", flush=True)
-                tags = {tracking.TAG_BASELINE: baseline, tracking.TAG_ROLE: tracking.ROLE_BASELINE}
-                result = self._run(config, name, tags)
-                print(f"[baseline] {baseline} seed {seed}: " + _summary(result.validation), flush=True)
-                done = [*done, name]
-                self.study.set_user_attr(ATTR_BASELINES_DONE, done)
+                with self.claims.hold(name) as mine:
+                    if mine:
+                        self._run_baseline(baseline, seed, name)
+                if self.claims.state(name) == ClaimState.DONE:
+                    pending.remove((baseline, seed))
+            if not pending or not wait:
+                return
+            time.sleep(CLAIM_POLL_S)
+
+    def _run_baseline(self, baseline: str, seed: int, name: str) -> None:
+        config = baseline_config(self.definition, baseline, seed)
+        knobs = dataclasses.asdict(config.algorithm.knobs)
+        print(f"[baseline] {baseline} seed {seed}: {config.algorithm.algorithm} {knobs}", flush=True)
+        tags = {tracking.TAG_BASELINE: baseline, tracking.TAG_ROLE: tracking.ROLE_BASELINE}
+        result = self._run(config, name, tags)
+        print(f"[baseline] {baseline} seed {seed}: " + _summary(result.validation), flush=True)
 
     def suggest(self, trial: optuna.Trial) -> dict:
         """The sampler's values for every dimension of the search space."""
@@ -265,11 +282,11 @@ class StudyRunner:
             raise optuna.TrialPruned(f"infeasible: {error}") from None
 
         trial.set_user_attr(ATTR_WORKER, f"{socket.gethostname()}:{os.getpid()}")
-        if self.definition.sampler == "grid":
-            duplicate = self._duplicate_of(trial, params)
-            if duplicate is not None:  # two workers raced for the last grid cell
-                trial.set_user_attr(ATTR_PRUNED, f"duplicate grid cell, evaluated by trial {duplicate}")
-                raise optuna.TrialPruned(f"duplicate grid cell, evaluated by trial {duplicate}")
+        duplicate = self._duplicate_of(trial, params)
+        if duplicate is not None:  # two workers raced for the last grid cell, or the sampler repeated itself
+            reason = f"duplicate configuration, evaluated by trial {duplicate}"
+            trial.set_user_attr(ATTR_PRUNED, reason)
+            raise optuna.TrialPruned(reason)
         print(f"[trial {trial.number}] {params}{self._eta()}", flush=True)
         started = time.time()
         run_name = trial_run_name(self.definition.name, trial.user_attrs.get(ATTR_ORIGIN, trial.number))
@@ -414,12 +431,22 @@ def _summary(values: dict[str, float]) -> str:
     return " ".join(f"{name.split('_accepted')[0]}={values[name]:.3f}" for name in ACCEPTED_LENGTHS if name in values)
 
 
-def ensure_parent_run(definition: StudyDefinition, study: optuna.Study, workdir: Path) -> str:
-    """The study's MLflow parent run (created once, with the definition as an artifact)."""
+def ensure_parent_run(definition: StudyDefinition, study: optuna.Study, workdir: Path, claims: Claims) -> str:
+    """The study's MLflow parent run: created once by whichever launcher claims it first."""
     experiment_id = tracking.configure(workdir, definition.name)
-    existing = study.user_attrs.get(ATTR_PARENT_RUN)
-    if existing:
-        return existing
+    deadline = time.time() + claims.grace_s + 60
+    while not study.user_attrs.get(ATTR_PARENT_RUN):
+        with claims.hold(PARENT_CLAIM) as mine:
+            if mine:
+                study.set_user_attr(ATTR_PARENT_RUN, _create_parent_run(definition, workdir, experiment_id))
+                break
+        if time.time() > deadline:
+            raise RuntimeError(f"study {definition.name!r}: no launcher created its MLflow parent run")
+        time.sleep(CLAIM_POLL_S / 4)
+    return study.user_attrs[ATTR_PARENT_RUN]
+
+
+def _create_parent_run(definition: StudyDefinition, workdir: Path, experiment_id: str) -> str:
     client = tracking.client(workdir)
     run = client.create_run(
         experiment_id,
@@ -453,7 +480,6 @@ def ensure_parent_run(definition: StudyDefinition, study: optuna.Study, workdir:
     definition_path.parent.mkdir(parents=True, exist_ok=True)
     definition_path.write_text(definition.source_text)
     client.log_artifact(run.info.run_id, str(definition_path))
-    study.set_user_attr(ATTR_PARENT_RUN, run.info.run_id)
     return run.info.run_id
 
 
@@ -491,13 +517,13 @@ def launch(
     url = storage_url(workdir, storage)
     workdir.mkdir(parents=True, exist_ok=True)  # the default SQLite storage lives there
     study = open_study(definition, url)
-    tracking.configure(workdir, definition.name)
-    parent = ensure_parent_run(definition, study, workdir)
+    claims = Claims(study._storage, definition.name, heartbeat_grace_s())
+    parent = ensure_parent_run(definition, study, workdir, claims)
     if n_jobs > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // n_jobs))
     workspace = prepare_workspace(definition.base, workdir, device)
     mlflow.set_experiment(definition.name)
-    runner = StudyRunner(definition, workspace, study, parent, device)
+    runner = StudyRunner(definition, workspace, study, parent, claims, device)
     workers = spawn_workers(study_file, n_jobs - 1, workdir, url, device) if n_jobs > 1 and not worker else []
     if not worker:
         runner.run_baselines()
@@ -506,6 +532,7 @@ def launch(
         process.wait()
     if worker:
         return {"study": definition.name, "worker": True}
+    runner.run_baselines(wait=True)  # those another launcher held, or a dead launcher left
     runner.evaluate_best()
     summary = runner.finalize()
     tracking.client(workdir).set_terminated(parent, status=RunStatus.FINISHED.mlflow_status)

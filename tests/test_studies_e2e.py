@@ -365,12 +365,14 @@ def test_a_trial_that_raises_is_recorded_failed_and_the_study_goes_on(e2e_worksp
     """An out-of-memory (or NaN) inside one trial: that trial is FAIL with its error, the next trial still runs."""
     from unittest import mock
 
+    from studies.claims import Claims
     from studies.runner import ATTR_FAIL_REASON, StudyRunner, make_sampler
     from studies.schema import load_study
 
     definition = load_study(_study_file(tmp_path, "raises", **{"conv_group_size: [16, 7]": "conv_group_size: [16]"}))
     study = optuna.create_study(study_name="raises", sampler=make_sampler(definition))
-    runner = StudyRunner(definition, e2e_workspace, study, parent_run_id="unused")
+    claims = Claims(study._storage, "raises", grace_s=60)
+    runner = StudyRunner(definition, e2e_workspace, study, parent_run_id="unused", claims=claims)
     outcomes = iter([RuntimeError("CPU out of memory: tried to allocate 40.00 GiB"), None])
 
     def fake_train(*args, **kwargs):
@@ -390,3 +392,36 @@ def test_a_trial_that_raises_is_recorded_failed_and_the_study_goes_on(e2e_worksp
     first, second = study.trials
     assert first.state == optuna.trial.TrialState.FAIL and "out of memory" in first.user_attrs[ATTR_FAIL_REASON]
     assert second.state == optuna.trial.TrialState.COMPLETE and second.value == 1.5
+
+
+def test_two_launches_at_the_same_moment_run_each_baseline_and_config_once(e2e_workspace, e2e_workdir, tmp_path):
+    study_file = _study_file(
+        tmp_path,
+        "together",
+        **{
+            "conv_group_size: [16, 7]": "conv_group_size: [16]",
+            "baselines: [dflash, dflash2_defaults]": "baselines: [dflash, dflash+selector]",
+            "n_trials: 4": "n_trials: 2",
+        },
+    )
+    command = [*CLI, "study", "launch", str(study_file), "--workdir", str(e2e_workdir), "--no-report"]
+    launches = [
+        subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    errors = [launch.communicate(timeout=900)[1] for launch in launches]
+    assert [launch.returncode for launch in launches] == [0, 0], [e[-2000:] for e in errors]
+    client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
+    runs = client.search_runs([client.get_experiment_by_name("together").experiment_id])
+    roles = [r.data.tags.get(tracking.TAG_ROLE) for r in runs]
+    assert roles.count("study") == 1, "one parent run"
+    baselines = sorted(r.info.run_name for r in runs if r.data.tags.get(tracking.TAG_ROLE) == "baseline")
+    assert baselines == ["together-baseline-dflash+selector-seed0", "together-baseline-dflash-seed0"]
+    for run in runs:
+        if run.data.tags.get(tracking.TAG_ROLE) == "baseline":
+            steps = [m.step for m in client.get_metric_history(run.info.run_id, "val/realized_accepted_length")]
+            assert len(steps) == len(set(steps)), f"{run.info.run_name} was trained twice: steps {steps}"
+    study = optuna.load_study(study_name="together", storage=storage_url(e2e_workdir, None))
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    # each configuration trained once; a racing launcher's repeat of a cell is pruned as a duplicate
+    assert len({tuple(sorted(t.params.items())) for t in complete}) == len(complete) >= 1
