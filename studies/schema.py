@@ -23,6 +23,7 @@ PUBLISHED_SUFFIX = "_defaults"
 BASELINES = (*ALGORITHMS, *(f"{name}{PUBLISHED_SUFFIX}" for name in ALGORITHMS))
 DEFAULT_BASELINES = ("dflash", f"dflash2{PUBLISHED_SUFFIX}")
 BUDGET_KEYS = ("n_trials", "timeout_s", "steps_per_trial")
+SAMPLER_KEYS, PRUNER_KEYS = ("type", "seed"), ("type", "warmup_steps")
 EVALUATE_KEYS = ("best_trials", "num_prompts", "max_new_tokens", "temperatures")
 
 
@@ -172,9 +173,14 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
         raise _fail(path, "objective", objective, f"one or a list of distinct {sorted(OBJECTIVES)}")
 
     budget = _require_mapping(path, "budget", data.get("budget", {}))
-    for key in budget:
-        if key not in BUDGET_KEYS:
-            raise _fail(path, f"budget.{key}", budget[key], f"keys {list(BUDGET_KEYS)}")
+    for section, mapping, allowed in (
+        ("budget", budget, BUDGET_KEYS),
+        ("sampler", sampler, SAMPLER_KEYS),
+        ("pruner", pruner, PRUNER_KEYS),
+    ):
+        for key in mapping:
+            if key not in allowed:
+                raise _fail(path, f"{section}.{key}", mapping[key], f"keys {list(allowed)}")
     n_trials, timeout, steps = (
         budget.get("n_trials", 8),
         budget.get("timeout_s"),

@@ -66,3 +66,13 @@ def test_published_default_baselines_take_the_published_knobs():
     assert published.knobs.selector_rank == 256 and published.shared == definition.base.algorithm.shared
     trial = trial_config(definition, {"selector_rank": 32, "candidate_top_k": 8}).algorithm
     assert (trial.knobs.selector_rank, trial.shared.candidate_top_k) == (32, 8)
+
+
+@pytest.mark.parametrize(("section", "key"), [("sampler", "sede"), ("pruner", "warmup")])
+def test_unknown_sampler_and_pruner_keys_are_errors(section, key):
+    import yaml
+
+    data = yaml.safe_load((ROOT / "studies" / "default.yaml").read_text())
+    data[section][key] = 1
+    with pytest.raises(StudyDefinitionError, match=rf"invalid field {section}.{key}=1: allowed keys \['type'"):
+        parse_study(data)

@@ -26,3 +26,26 @@ def test_a_training_set_without_supervised_tokens_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"invalid --data='unsupervised.jsonl': the training set has no supervised"):
         train(config, _workspace(tmp_path, [row]), run_name="nothing-to-learn")
     assert not (tmp_path / "runs" / "nothing-to-learn").exists()
+
+
+def test_a_run_whose_loss_is_zero_at_every_step_fails(tmp_path, monkeypatch):
+    import torch
+
+    from algorithms.dflash import StepOutput
+    from harness.run import Run
+    from harness.train import DegenerateRun, TrainingRecipe
+
+    config = RunConfig(AlgorithmConfig.preset("dflash", block_size=4, num_draft_layers=1, candidate_top_k=4))
+    config.algorithm = config.algorithm.replace(mask_token_id=5, target_layer_ids=[2, 4, 5])
+    config.train.max_steps, config.train.eval_every, config.train.checkpoint_every = 3, 100, 100
+    recipe = TrainingRecipe(config, _workspace(tmp_path, [packed_row()]), Run(tmp_path, "zero"))
+    zero = StepOutput(torch.zeros((), requires_grad=True), {})
+    monkeypatch.setattr(recipe.draft, "training_forward", lambda row, anchors: zero)
+    monkeypatch.setattr(
+        recipe,
+        "validate",
+        lambda step: {"realized_accepted_length": 1.0, "unary_accepted_length": 1.0, "oracle_accepted_length": 1.0},
+    )
+    monkeypatch.setattr(recipe, "save", lambda step: None)
+    with pytest.raises(DegenerateRun, match=r"the loss was exactly 0 at every step \(1..3\)"):
+        recipe.train()
