@@ -135,6 +135,8 @@ class Run:
         tags = {tracking.TAG_STATUS: status.value}
         if reason:
             tags[tracking.TAG_STATUS_REASON] = reason
+        elif tracking.TAG_STATUS_REASON in mlflow.get_run(self.run_id).data.tags:  # a resumed run's old failure
+            mlflow.delete_tag(tracking.TAG_STATUS_REASON)
         mlflow.set_tags(tags)
         mlflow.end_run(status=status.mlflow_status)
 

@@ -26,3 +26,19 @@ def test_status_round_trips_through_tags_and_maps_to_mlflow_statuses():
         assert RunStatus.of({tracking.TAG_STATUS: status.value}, "KILLED") is status
     assert RunStatus.PRUNED.mlflow_status == RunStatus.INFEASIBLE.mlflow_status == "KILLED"
     assert RunStatus.of({}, "FINISHED") is RunStatus.FINISHED and RunStatus.of({}, "RUNNING") is RunStatus.RUNNING
+
+
+def test_a_resumed_run_that_finishes_drops_its_old_failure_reason(tmp_path, monkeypatch):
+    from harness.run import Run
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run = Run(tmp_path, "flaky", experiment="status-check")
+    run.start({tracking.TAG_ROLE: tracking.ROLE_RUN})
+    run.end(RunStatus.FAILED, "RuntimeError: out of memory")
+    resumed = Run(tmp_path, "flaky", experiment="status-check", run_id=run.recorded_run_id())
+    with resumed.active({}):
+        pass
+    stored = tracking.client(tmp_path).get_run(run.run_id)
+    assert resumed.run_id == run.run_id and stored.info.status == "FINISHED"
+    assert stored.data.tags[tracking.TAG_STATUS] == "finished" and tracking.TAG_STATUS_REASON not in stored.data.tags
+    mlflow.set_tracking_uri("")
