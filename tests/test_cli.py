@@ -125,11 +125,13 @@ def test_qwen3_8b_recipe_dry_run_matches_spec_shapes():
         (["--conv-group-size", "7"], "invalid knob conv_group_size=7: allowed a divisor of the hidden size 4096"),
         (["--candidate-top-k", "0"], "invalid knob candidate_top_k=0: allowed an integer >= 1"),
         (["--algorithm", "dflash", "--selector-rank", "8"], "invalid knob knobs.selector_rank=8: allowed knobs []"),
+        (["--candidate-top-k", "600000"], "invalid knob candidate_top_k=600000: allowed an integer in [1, vocab_size="),
+        (["--draft-vocab-size", "100"], "invalid knob draft_vocab_size=100: allowed the full verifier vocabulary"),
     ],
 )
 def test_generated_knob_flags_fail_with_one_clear_line(flags, message):
     done = _run([*CLI, "train", *flags, "--dry-run", "--target", "tests/data/qwen3-8b"])
-    assert done.returncode != 0
+    assert done.returncode == 2
     assert message in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 

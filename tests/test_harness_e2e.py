@@ -234,6 +234,12 @@ def test_resume_after_kill_continues_the_same_run(e2e_workspace, e2e_workdir):
     assert steps[-1] == 8 and killed_at in steps and sorted(set(steps)) == steps
     assert torch.load(checkpoint, weights_only=False)["step"] == 8
     assert f"resuming resume-check at step {killed_at}" in done.stderr
+    changed = subprocess.run([*args, "--resume", "--max-steps", "9"], capture_output=True, text=True, timeout=600)
+    assert changed.returncode == 2 and "Traceback" not in changed.stderr
+    assert (
+        "invalid --resume of 'resume-check': train.max_steps=9, but its checkpoint was trained with 8"
+        in (changed.stderr.strip().splitlines()[-1])
+    )
 
 
 @pytest.mark.parametrize(("algorithm", "min_gain"), [("dflash2", 0.15), ("dflash", 0.05)])
