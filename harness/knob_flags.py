@@ -70,7 +70,7 @@ def knob_flags() -> list[KnobFlag]:
 
 
 def _type_label(kind: Any) -> str:
-    """'int', 'int | none', 'int,int,...' as shown in --help."""
+    """The metavar --help shows: INT, FLOAT|none, INT,INT,...|none, NAME|JSON."""
     args = [a for a in typing.get_args(kind) if a is not type(None)]
     optional = type(None) in typing.get_args(kind)
     base = args[0] if optional and len(args) == 1 else kind
@@ -84,7 +84,10 @@ def add_knob_flags(parser: argparse.ArgumentParser) -> None:
     groups = {
         "shared": parser.add_argument_group("shared knobs (pin them identically to compare algorithms)"),
         "knobs": parser.add_argument_group(
-            "algorithm knobs (conv: dflash+conv, dflash2; selector: dflash+selector, dflash2)"
+            "algorithm knobs (conv: {}; selector: {})".format(
+                ", ".join(a.name for a in ALGORITHMS.values() if a.has_conv),
+                ", ".join(a.name for a in ALGORITHMS.values() if a.has_selector),
+            )
         ),
         "train": parser.add_argument_group("training knobs"),
         "data": parser.add_argument_group("data knobs"),
