@@ -204,6 +204,7 @@ class TrainingRecipe:
         self.start_step = 0
         self.history: list[dict] = []
         self.pending_metrics: list[tuple[dict[str, float], str, int]] = []
+        self.unflushed: list[tuple[dict[str, float], str, int]] = []
         self.setup()
 
     def setup(self) -> None:
@@ -239,10 +240,12 @@ class TrainingRecipe:
         self.schedule.load_state_dict(state["scheduler"])
         self.anchor_generator.set_state(state["anchor_generator"])
         self.start_step, self.history = state["step"], state["history"]
+        self.unflushed = [entry for entry in state.get("pending_metrics", []) if entry[0]]
         log.info("resuming %s at step %d (MLflow run %s)", self.run.name, self.start_step, self.run.run_id)
 
     def save(self, step: int) -> None:
-        """Checkpoint, then the metrics logged up to it."""
+        """Checkpoint, then the metrics logged up to it. The checkpoint carries them too: a kill between
+        the two leaves them to the resume (`log_unflushed`), which logs only those MLflow lacks."""
         self.run.save_checkpoint(
             {
                 "model": self.draft.state_dict(),
@@ -253,9 +256,19 @@ class TrainingRecipe:
                 "history": self.history,
                 "run_id": self.run.run_id,
                 "config": self.config.to_dict(),
+                "pending_metrics": self.pending_metrics,
             }
         )
         self.flush_metrics()
+
+    def log_unflushed(self) -> None:
+        """The resumed checkpoint's metrics that never reached MLflow (one batch is logged whole or not at all)."""
+        client = tracking.client(self.run.workdir)
+        for values, prefix, step in self.unflushed:
+            key = f"{prefix}{next(iter(values))}"
+            if step not in {m.step for m in client.get_metric_history(self.run.run_id, key)}:
+                self.run.log_metrics(values, prefix, step)
+        self.unflushed = []
 
     def training_row(self, step: int) -> PackedRow:
         """Rows in a seeded random order per epoch, so a resumed run sees the same sequence."""
@@ -428,6 +441,8 @@ def train(
     with run.active(run_tags, parent_run_id):
         if recipe.start_step == 0:
             recipe.log_start()
+        else:
+            recipe.log_unflushed()
         result = recipe.train(on_validation)
         if result.stopped_reason:
             run.end(RunStatus.PRUNED, result.stopped_reason)

@@ -49,3 +49,25 @@ def test_a_run_whose_loss_is_zero_at_every_step_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(recipe, "save", lambda step: None)
     with pytest.raises(DegenerateRun, match=r"the loss was exactly 0 at every step \(1..3\)"):
         recipe.train()
+
+
+def test_a_resume_logs_the_checkpoints_unflushed_metrics_once(tmp_path, monkeypatch):
+    """Killed between writing a checkpoint and flushing its metrics: the resume logs exactly what MLflow lacks."""
+    import mlflow
+
+    from harness import tracking
+    from harness.run import Run
+    from harness.train import TrainingRecipe
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    config = RunConfig(AlgorithmConfig.preset("dflash", block_size=4, num_draft_layers=1, candidate_top_k=4))
+    config.algorithm = config.algorithm.replace(mask_token_id=5, target_layer_ids=[2, 4, 5])
+    run = Run(tmp_path, "killed-mid-save", experiment="flush-check")
+    with run.active({}):
+        run.log_metrics({"loss": 2.0}, tracking.TRAIN_PREFIX, 1)  # flushed before the kill
+        recipe = TrainingRecipe(config, _workspace(tmp_path, [packed_row()]), run)
+        recipe.unflushed = [({"loss": 2.0}, tracking.TRAIN_PREFIX, 1), ({"loss": 1.5}, tracking.TRAIN_PREFIX, 2)]
+        recipe.log_unflushed()
+    history = tracking.client(tmp_path).get_metric_history(run.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [1, 2]
+    mlflow.set_tracking_uri("")
