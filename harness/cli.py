@@ -171,7 +171,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from harness.train import checkpoint_config, restore_draft
 
     run = located_run(args)
-    config = checkpoint_config(run)
+    state = run.load_checkpoint()
+    config = checkpoint_config(state)
     out = args.out or run.path(EXPORT_DIR)
     try:
         peer_format(config.algorithm.entry)
@@ -179,9 +180,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     except (NoPeerFormat, ExportDestinationError) as error:
         raise SystemExit(f"error: {error}") from None
     target = load_target(config.target, run.workdir, config.algorithm.shared.mask_token_id)
-    draft, _, step = restore_draft(run, target)
-    out = export_checkpoint(draft, out, target.source)
-    print(f"exported {config.algorithm.algorithm} draft (step {step}) to {out}")
+    out = export_checkpoint(restore_draft(state, target), out, target.source)
+    print(f"exported {config.algorithm.algorithm} draft (step {state['step']}) to {out}")
     print(f"serve with: vllm serve {out}   (verifier: {target.source})")
     return 0
 
@@ -193,8 +193,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from harness.train import checkpoint_config, prepare_workspace, restore_draft
 
     run = located_run(args)
-    workspace = prepare_workspace(checkpoint_config(run), run.workdir, args.device)
-    draft, _, _ = restore_draft(run, workspace.target, args.device)
+    state = run.load_checkpoint()
+    workspace = prepare_workspace(checkpoint_config(state), run.workdir, args.device)
+    draft = restore_draft(state, workspace.target, args.device)
     eval_config = EvalConfig(
         num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures)
     )

@@ -90,18 +90,16 @@ def build_for_target(config: RunConfig, target: Target) -> DFlashDraft:
     return build_draft(config.algorithm, target.spec, target.embed_weight, target.head_weight)
 
 
-def restore_draft(run: Run, target: Target, device: str = "cpu") -> tuple[DFlashDraft, RunConfig, int]:
-    """A run's last checkpoint loaded into a draft for `target`: (draft, config, step)."""
-    state = run.load_checkpoint()
-    config = RunConfig.from_dict(state["config"])
-    draft = build_for_target(config, target).to(device)
+def checkpoint_config(state: dict) -> RunConfig:
+    """The config a checkpoint (`Run.load_checkpoint()`) was trained with."""
+    return RunConfig.from_dict(state["config"])
+
+
+def restore_draft(state: dict, target: Target, device: str = "cpu") -> DFlashDraft:
+    """A checkpoint's weights in a draft for `target`."""
+    draft = build_for_target(checkpoint_config(state), target).to(device)
     draft.load_state_dict(state["model"])
-    return draft, config, state["step"]
-
-
-def checkpoint_config(run: Run) -> RunConfig:
-    """The config a run's checkpoint was trained with."""
-    return RunConfig.from_dict(run.load_checkpoint()["config"])
+    return draft
 
 
 def learning_rate_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
@@ -348,10 +346,11 @@ class TrainingRecipe:
         for step in bar:
             output, stats = self.step(step)
             pool(counts, output.counts)
-            all_zero = all_zero and float(output.loss.detach()) == 0.0
+            loss = float(output.loss.detach())
+            all_zero = all_zero and loss == 0.0
             done = step + 1
             bar.set_postfix(
-                loss=f"{float(output.loss.detach()):.3f}",
+                loss=f"{loss:.3f}",
                 val_realized=f"{validation.get(REALIZED_ACCEPTED_LENGTH, 0):.3f}",
             )
             if done % train.log_every == 0 or done == steps:
@@ -423,16 +422,15 @@ def train(
             "allowed conversations with assistant turns"
         )
     run = Run(workspace.workdir, run_name or default_run_name(config), experiment)
-    recipe = TrainingRecipe(config, workspace, run, device)
     if run.exists() and not resume:
         raise FileExistsError(
             f"{run.directory} already holds a run; pass --resume to continue it or choose another --run-name"
         )
+    recipe = TrainingRecipe(config, workspace, run, device)
     if run.has_checkpoint():
         recipe.resume()
     elif run.exists():  # killed before its first checkpoint: the same MLflow run starts again from step 0
         run.run_id = run.recorded_run_id()
-    run.directory.mkdir(parents=True, exist_ok=True)
     run_tags = {
         tracking.TAG_ALGORITHM: config.algorithm.algorithm,
         tracking.TAG_ROLE: tracking.ROLE_RUN,

@@ -375,7 +375,7 @@ class StudyRunner:
                 continue
             name = trial_run_name(self.definition.name, trial.user_attrs.get(ATTR_ORIGIN, trial.number))
             run = Run(self.workdir, name, self.definition.name)
-            draft, _, _ = restore_draft(run, self.workspace.target, self.device)
+            draft = restore_draft(run.load_checkpoint(), self.workspace.target, self.device)
             print(
                 f"[evaluate] trial {trial.number}: speculative decoding on MT-bench and held-out chat prompts",
                 flush=True,
