@@ -19,14 +19,32 @@ TEACHER_FORCED_SELECTOR_ACC = "teacher_forced_selector_acc"
 UNARY_FULL_ACC = "unary_full_acc"
 # Measured by the harness, not pooled here, but named with the others.
 DRAFT_STEP_MS = "draft_step_ms"
+NUM_ANCHORS = "num_anchors"  # anchors a validation counted (the total of the accepted-length pairs)
+NUM_DOCUMENTS = "num_documents"  # documents they came from: the units the standard errors cluster on
+SE_SUFFIX = "_se"
 
 
-def recall_name(top_k: int) -> str:
-    return f"unary_candidate_recall_at_{top_k}"
+def se_name(name: str) -> str:
+    """The standard error logged next to its metric."""
+    return f"{name}{SE_SUFFIX}"
 
 
-def target_mass_name(top_k: int) -> str:
-    return f"unary_candidate_target_mass_at_{top_k}"
+# K (`candidate_top_k`) is a param of the run, not part of these names, so runs with different K share columns.
+UNARY_CANDIDATE_RECALL = "unary_candidate_recall"
+UNARY_CANDIDATE_TARGET_MASS = "unary_candidate_target_mass"
+UNARY_CANDIDATE_TARGET_MASS_INJECTED = "unary_candidate_target_mass_injected"
+# The metrics that carry a standard error and a 95% interval.
+HEADLINE_METRICS = (
+    *ACCEPTED_LENGTHS,
+    UNARY_CANDIDATE_RECALL,
+    UNARY_CANDIDATE_TARGET_MASS,
+    TEACHER_FORCED_SELECTOR_ACC,
+    UNARY_FULL_ACC,
+)
+
+
+def recall_position_name(slot: int) -> str:
+    return f"{UNARY_CANDIDATE_RECALL}_position_{slot}"
 
 
 def conditional_acc_name(path: str, slot: int) -> str:
@@ -79,7 +97,6 @@ def unary_counts(stats: RowStatistics, mask: torch.Tensor, block_size: int, firs
 
     stats: the unary head's per-row statistics; mask: [M] aligned loss mask.
     """
-    top_k = stats.candidate_ids.shape[-1]
     valid = mask > 0
     weight = valid.double()
     slots = torch.arange(mask.shape[0], device=mask.device) % block_size
@@ -90,13 +107,13 @@ def unary_counts(stats: RowStatistics, mask: torch.Tensor, block_size: int, firs
     counts: MetricCounts = {
         UNARY_FULL_ACC: _pair((unary_correct * weight).sum(), weight.sum()),
         "accept_rate": _pair((stats.overlap * weight).sum(), weight.sum()),
-        recall_name(top_k): _pair((in_candidates * weight).sum(), weight.sum()),
-        target_mass_name(top_k): _pair((candidate_mass * weight).sum(), weight.sum()),
+        UNARY_CANDIDATE_RECALL: _pair((in_candidates * weight).sum(), weight.sum()),
+        UNARY_CANDIDATE_TARGET_MASS: _pair((candidate_mass * weight).sum(), weight.sum()),
     }
     for slot in range(first_slot, block_size):
         at_slot = weight * (slots == slot)
         counts[unary_position_acc_name(slot)] = _pair((unary_correct * at_slot).sum(), at_slot.sum())
-        counts[f"{recall_name(top_k)}_position_{slot}"] = _pair((in_candidates * at_slot).sum(), at_slot.sum())
+        counts[recall_position_name(slot)] = _pair((in_candidates * at_slot).sum(), at_slot.sum())
 
     blocks = lambda x: x.view(-1, block_size)[:, first_slot:]  # noqa: E731
     block_valid = blocks(valid)
@@ -123,7 +140,6 @@ def selector_counts(
 ) -> MetricCounts:
     """Selector metrics and the realized path (the walk replayed for real). The injection never enters them."""
     candidate_ids, target_ids = stats.candidate_ids, stats.target_ids
-    top_k = candidate_ids.shape[-1]
     weight = (mask > 0).double()
     in_candidates = (candidate_ids == target_ids[:, None]).any(-1)
     chosen = candidate_ids.gather(-1, teacher_forced_scores.argmax(-1, keepdim=True)).squeeze(-1)
@@ -137,7 +153,7 @@ def selector_counts(
         TEACHER_FORCED_SELECTOR_ACC: _pair((selector_hit * weight).sum(), (in_candidates * weight).sum()),
         "teacher_forced_selector_hit_rate": _pair((selector_hit * weight).sum(), weight.sum()),
         "selector_accept_rate_tf": _pair((selector_alpha * weight).sum(), weight.sum()),
-        f"unary_candidate_target_mass_injected_at_{top_k}": _pair((injected_mass * weight).sum(), weight.sum()),
+        UNARY_CANDIDATE_TARGET_MASS_INJECTED: _pair((injected_mass * weight).sum(), weight.sum()),
     }
     counts.update(path_counts("realized", realized_tokens == blocks(target_ids), blocks(mask > 0), first_slot))
     return counts

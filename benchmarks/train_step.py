@@ -32,7 +32,7 @@ from algorithms import AlgorithmConfig, TargetSpec, build_draft
 from algorithms.blocks import PackedRow, block_attention_mask, sample_anchors
 from algorithms.modeling import RMSNorm
 from benchmarks.peers import fixed_anchors, speculators_draft, speculators_inputs, speculators_train_kwargs
-from harness.train import autocast  # the training loop's precision, applied to both sides
+from harness.devices import autocast  # the training loop's precision, applied to both sides
 
 
 @dataclass(frozen=True)

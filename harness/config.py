@@ -33,6 +33,9 @@ class TrainConfig:
     eval_every: int = knob(50, "steps between validations")
     log_every: int = knob(10, "steps between training-metric logs")
     checkpoint_every: int = knob(50, "steps between checkpoints")
+    final_validation_cap: int = knob(
+        0, "most anchors per validation document in the final validation (0: every eligible anchor)"
+    )
     precision: str = knob(
         "auto", "auto: bf16 autocast on CUDA, fp32 on CPU; bf16 autocasts on CPU too", choices=PRECISIONS
     )
@@ -46,6 +49,8 @@ class TrainConfig:
         for name in ("max_steps", "eval_every", "log_every", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise knob_error(name, getattr(self, name), "an integer >= 1")
+        if self.final_validation_cap < 0:
+            raise knob_error("final_validation_cap", self.final_validation_cap, "an integer >= 0 (0: every anchor)")
         if self.grad_clip <= 0:
             raise knob_error("grad_clip", self.grad_clip, "a number > 0")
         if self.weight_decay < 0:

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from algorithms.blocks import PackedRow
-from harness.data import Document, pack_documents, stable_hash
+from harness.data import Document, pack_documents, pack_row, stable_hash
 from harness.files import atomic_write
 from harness.targets import file_sha256
 
@@ -40,6 +40,15 @@ class FeatureCache:
         shard = self.manifest["documents"][index]
         with safe_open(self.directory / self.manifest["shards"][shard]["file"], framework="pt") as handle:
             return handle.get_tensor(f"doc{index}.features"), handle.get_tensor(f"doc{index}.final")
+
+    def document_rows(self, offset: int, documents: list[Document]) -> list[PackedRow]:
+        """One unpadded row per document [offset, offset + len): the unit validation statistics cluster on."""
+        rows = []
+        for index, doc in enumerate(documents):
+            row = pack_row([doc], len(doc.input_ids))
+            row.features, row.target_hidden = self.document(offset + index)
+            rows.append(row)
+        return rows
 
     def packed_rows(self, offset: int, documents: list[Document], row_length: int) -> list[PackedRow]:
         """Pack documents [offset, offset + len) into rows, with their cached features filled in."""

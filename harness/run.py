@@ -26,6 +26,7 @@ CHECKPOINT_FILE = "checkpoint.pt"
 RUN_FILE = "run.json"  # the MLflow run id, written when the run starts (before any checkpoint)
 CONFIG_FILE = "config.json"
 PER_POSITION_FILE = "per_position.csv"
+VALIDATION_DOCUMENTS_FILE = "validation_documents.csv"  # per-document (sum, total) pairs of the final validation
 EVAL_RECORDS_FILE = "eval_records.json"
 EXPORT_DIR = "export"
 # Checkpoints up to this size are also copied into MLflow's artifact store; larger ones are only tagged.

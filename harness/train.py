@@ -20,23 +20,27 @@ from algorithms.dflash import DFlashDraft, StepOutput
 from algorithms.metrics import (
     DRAFT_STEP_MS,
     ORACLE_ACCEPTED_LENGTH,
+    PATHS,
     REALIZED_ACCEPTED_LENGTH,
     UNARY_ACCEPTED_LENGTH,
     MetricCounts,
     conditional_acc_name,
     finalize,
     pool,
-    recall_name,
+    recall_position_name,
     unary_position_acc_name,
 )
 from harness import tracking
 from harness.config import RunConfig
 from harness.data import PreparedData, prepare_documents
+from harness.devices import anchors_to, autocast
 from harness.features import FeatureCache, load_or_build
-from harness.files import remove_stale_temporaries
-from harness.run import CONFIG_FILE, PER_POSITION_FILE, Run
+from harness.files import atomic_write, remove_stale_temporaries
+from harness.run import CONFIG_FILE, PER_POSITION_FILE, VALIDATION_DOCUMENTS_FILE, Run
 from harness.targets import Target, load_target
 from harness.tracking import RunStatus
+from harness.uncertainty import wilson
+from harness.validation import pooled_counts, validate_documents, validate_subset
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +63,8 @@ class Workspace:
     features: FeatureCache
     feature_cache_hit: bool
     train_rows: list[PackedRow]
-    validation_rows: list[PackedRow]
+    validation_rows: list[PackedRow]  # packed: the intermediate validations' fixed subset of anchors
+    validation_documents: list[PackedRow]  # one per document: the final validation's every anchor
 
 
 def prepare_workspace(config: RunConfig, workdir: Path, device: str = "cpu") -> Workspace:
@@ -73,7 +78,8 @@ def prepare_workspace(config: RunConfig, workdir: Path, device: str = "cpu") -> 
     features, hit = load_or_build(target, documents, data.dataset_hash, layer_ids, config.data.max_length, workdir)
     validation_rows = features.packed_rows(0, data.validation, config.data.row_length)
     train_rows = features.packed_rows(len(data.validation), data.train, config.data.row_length)
-    return Workspace(workdir, target, data, features, hit, train_rows, validation_rows)
+    validation_documents = features.document_rows(0, data.validation)
+    return Workspace(workdir, target, data, features, hit, train_rows, validation_rows, validation_documents)
 
 
 def with_target_defaults(config: RunConfig, target: Target) -> RunConfig:
@@ -112,37 +118,6 @@ def learning_rate_factor(step: int, total: int, warmup_ratio: float, schedule: s
 
 
 @torch.no_grad()
-def validate(
-    draft: DFlashDraft, rows: list[PackedRow], device: str, precision: str = "auto"
-) -> tuple[dict[str, float], MetricCounts]:
-    """Pooled metrics over every validation row; anchors seeded by the row index, so every run sees the same."""
-    draft.eval()
-    shared = draft.shared
-    counts: MetricCounts = {}
-    for index, row in enumerate(rows):
-        generator = torch.Generator().manual_seed(index)
-        anchors = sample_anchors(row.loss_mask, row.document_ids, shared.block_size, shared.max_anchors, generator)
-        with autocast(device, precision):
-            pool(counts, draft.training_forward(row.to(device), anchors_to(anchors, device)).counts)
-    draft.train()
-    return finalize(counts, shared.block_size, shared.first_draft_slot), counts
-
-
-def anchors_to(anchors, device):
-    return type(anchors)(anchors.positions.to(device), anchors.valid.to(device))
-
-
-def autocast(device: str, precision: str):
-    """bf16 autocast with fp32 master weights, or fp32; `auto` is bf16 on CUDA and fp32 on CPU.
-
-    bf16 on CPU is about 2x faster where the CPU has native bf16 (AVX512-BF16/AMX), much slower elsewhere.
-    """
-    device_type = "cuda" if device.startswith("cuda") else "cpu"
-    bf16 = precision == "bf16" or (precision == "auto" and device_type == "cuda")
-    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
-
-
-@torch.no_grad()
 def draft_step_ms(draft: DFlashDraft, rows: list[PackedRow], device: str, repeats: int = 8) -> float:
     """Median wall time of one inference draft step (one block over real validation context)."""
     draft.eval()
@@ -167,19 +142,29 @@ class TrainResult:
     stopped_reason: str | None = None
 
 
-def per_position_rows(values: dict[str, float], block_size: int, first_slot: int, top_k: int) -> list[dict]:
-    return [
-        {
+def per_position_rows(counts: MetricCounts, block_size: int, first_slot: int) -> list[dict]:
+    """Per draft slot: its anchor count, unary accuracy, recall, and each path's conditional acceptance with
+    the number of anchors it rests on and a 95% Wilson interval."""
+    rows = []
+    for slot in range(first_slot, block_size):
+        hits, anchors = counts[unary_position_acc_name(slot)].tolist()
+        row = {
             "slot": slot,
-            "unary_acc": values.get(unary_position_acc_name(slot), 0.0),
-            f"recall_at_{top_k}": values.get(f"{recall_name(top_k)}_position_{slot}", 0.0),
-            **{
-                f"{path}_conditional_acc": values.get(conditional_acc_name(path, slot), 0.0)
-                for path in ("unary", "realized", "oracle")
-            },
+            "anchors": int(anchors),
+            "unary_acc": hits / anchors if anchors else float("nan"),
+            "recall": float(counts[recall_position_name(slot)][0]) / anchors if anchors else float("nan"),
         }
-        for slot in range(first_slot, block_size)
-    ]
+        for path in PATHS:
+            accepted, total = counts[conditional_acc_name(path, slot)].tolist()
+            low, high = wilson(accepted, total)
+            row |= {
+                f"{path}_conditional_acc": accepted / total if total else float("nan"),
+                f"{path}_n": int(total),
+                f"{path}_low": low,
+                f"{path}_high": high,
+            }
+        rows.append(row)
+    return rows
 
 
 def default_run_name(config: RunConfig) -> str:
@@ -304,10 +289,21 @@ class TrainingRecipe:
         }
 
     def validate(self, step: int) -> dict[str, float]:
-        values, _ = validate(self.draft, self.workspace.validation_rows, self.device, self.config.train.precision)
-        self.log_metrics(values, tracking.VAL_PREFIX, step)
-        self.history.append({"step": step, **values})
-        return values
+        """The fixed subset of anchors before the last step; every anchor of every document at the last one,
+        whose per-document pairs are kept for the intervals (`val/num_anchors` says which set each step used)."""
+        train, workspace = self.config.train, self.workspace
+        if step < train.max_steps:
+            validation = validate_subset(self.draft, workspace.validation_rows, self.device, train.precision)
+        else:
+            validation = validate_documents(
+                self.draft, workspace.validation_documents, self.device, train.precision, train.final_validation_cap
+            )
+            atomic_write(
+                self.run.path(VALIDATION_DOCUMENTS_FILE), lambda tmp: validation.documents.to_csv(tmp, index=False)
+            )
+        self.log_metrics(validation.values, tracking.VAL_PREFIX, step)
+        self.history.append({"step": step, **validation.values})
+        return validation.values
 
     def log_metrics(self, values: dict[str, float], prefix: str, step: int) -> None:
         """Held until the next checkpoint: MLflow never holds a step that a resume would log again."""
@@ -388,15 +384,17 @@ class TrainingRecipe:
         )
 
     def log_finish(self, result: TrainResult) -> None:
-        """Inference step time, the per-position CSV and the checkpoint."""
+        """Inference step time, the final validation's per-document pairs and per-position CSV, the checkpoint."""
         step_ms = draft_step_ms(self.draft, self.workspace.validation_rows, self.device)
         result.validation[DRAFT_STEP_MS] = step_ms
         self.run.log_metrics({DRAFT_STEP_MS: step_ms}, tracking.VAL_PREFIX, self.config.train.max_steps)
-        rows = per_position_rows(
-            result.validation, self.shared.block_size, self.shared.first_draft_slot, self.shared.candidate_top_k
-        )
+        documents = self.run.path(VALIDATION_DOCUMENTS_FILE)  # on disk: a resume after the last save has it too
+        counts = pooled_counts(pd.read_csv(documents))
         csv = self.run.path(PER_POSITION_FILE)
-        pd.DataFrame(rows).to_csv(csv, index=False)
+        pd.DataFrame(per_position_rows(counts, self.shared.block_size, self.shared.first_draft_slot)).to_csv(
+            csv, index=False
+        )
+        self.run.log_file(documents)
         self.run.log_file(csv)
         self.run.log_checkpoint()
 

@@ -13,12 +13,12 @@ def build_report(study: str, workdir: Path, out_root: Path = Path("reports")) ->
     """Write <out_root>/<study>/README.md plus its PNGs, and log them as parent-run artifacts."""
     record = collect(study, workdir)
     out_dir = out_root / study
-    markdown = render(record, out_dir)
+    client = tracking.client(workdir)
+    parent = record.parent["run_id"]
+    markdown = render(record, out_dir, lambda name, figure: client.log_figure(parent, figure, f"report/{name}"))
     path = out_dir / "README.md"
     path.write_text(markdown)
-    client = tracking.client(workdir)
-    for artifact in [path, *sorted(out_dir.glob("*.png"))]:
-        client.log_artifact(record.parent["run_id"], str(artifact), artifact_path="report")
+    client.log_artifact(parent, str(path), artifact_path="report")
     return path
 
 

@@ -2,32 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+from mlflow.exceptions import MlflowException
 
 from algorithms import ALGORITHMS
-from algorithms.metrics import (
-    ACCEPTED_LENGTHS,
-    DRAFT_STEP_MS,
-    ORACLE_ACCEPTED_LENGTH,
-    PATHS,
-    REALIZED_ACCEPTED_LENGTH,
-    TEACHER_FORCED_SELECTOR_ACC,
-    UNARY_ACCEPTED_LENGTH,
-    UNARY_FULL_ACC,
-    conditional_acc_name,
-    recall_name,
-    target_mass_name,
-)
+from algorithms.metrics import DRAFT_STEP_MS, HEADLINE_METRICS, REALIZED_ACCEPTED_LENGTH
 from harness import tracking
+from harness.run import VALIDATION_DOCUMENTS_FILE
 from harness.tracking import RunStatus
 
 VAL, EVAL = tracking.VAL_PREFIX, tracking.EVAL_PREFIX
 # Every knob any registered algorithm tunes, in registry order: the knob columns of a report.
 TUNED_KNOBS = tuple(dict.fromkeys(knob for entry in ALGORITHMS.values() for knob in entry.tuned_knobs))
-MAX_SLOTS = 64
+MEASURED = {"measured_greedy": "measured_accepted_length_greedy", "measured_t1": "measured_accepted_length_t1"}
 
 
 @dataclass
@@ -36,7 +27,8 @@ class StudyRecord:
 
     name: str
     parent: dict
-    runs: pd.DataFrame  # one row per child run
+    runs: pd.DataFrame  # one row per child run; `config` groups the seeds of one trial or baseline
+    documents: dict[str, pd.DataFrame] = field(default_factory=dict)  # run id -> per-document validation pairs
 
 
 def collect(study: str, workdir: Path) -> StudyRecord:
@@ -69,6 +61,8 @@ def collect(study: str, workdir: Path) -> StudyRecord:
             "reason": tags.get(tracking.TAG_STATUS_REASON, ""),
             "algorithm": algorithm,
             "seed": params.get("train.seed", ""),
+            # the seeds of one trial or baseline share it
+            "config": f"{role}:{tags.get(tracking.TAG_BASELINE) or tags.get(tracking.TAG_TRIAL, '')}",
             "top_k": top_k,
             "parameters": float(params["draft_parameters"]) if "draft_parameters" in params else float("nan"),
             "target": params.get("target", ""),
@@ -78,25 +72,14 @@ def collect(study: str, workdir: Path) -> StudyRecord:
         }
         for knob in TUNED_KNOBS:
             row[knob] = params.get(f"algo.{knob}", params.get(f"shared.{knob}", ""))
-        for name in ACCEPTED_LENGTHS:
+        for name in (*HEADLINE_METRICS, DRAFT_STEP_MS):
             row[name] = metrics.get(f"{VAL}{name}", float("nan"))
-        row["recall_at_k"] = metrics.get(f"{VAL}{recall_name(top_k)}", float("nan"))
-        row["target_mass_at_k"] = metrics.get(f"{VAL}{target_mass_name(top_k)}", float("nan"))
-        row["unary_recall_at_1"] = metrics.get(f"{VAL}{UNARY_FULL_ACC}", float("nan"))
-        row[TEACHER_FORCED_SELECTOR_ACC] = metrics.get(f"{VAL}{TEACHER_FORCED_SELECTOR_ACC}", float("nan"))
-        row[DRAFT_STEP_MS] = metrics.get(f"{VAL}{DRAFT_STEP_MS}", float("nan"))
-        row["measured_greedy"] = metrics.get(f"{EVAL}measured_accepted_length_greedy", float("nan"))
-        row["measured_t1"] = metrics.get(f"{EVAL}measured_accepted_length_t1", float("nan"))
-        for path in PATHS:
-            for slot in range(MAX_SLOTS):
-                key = f"{VAL}{conditional_acc_name(path, slot)}"
-                if key in metrics:
-                    row[f"{path}_pos{slot}"] = metrics[key]
+        for column, name in MEASURED.items():
+            row[column] = metrics.get(f"{EVAL}{name}", float("nan"))
+            row[column + "_se"] = metrics.get(f"{EVAL}{name}_se", float("nan"))
         rows.append(row)
     frame = pd.DataFrame(rows)
     if not frame.empty:
-        frame["selector_gain"] = frame[REALIZED_ACCEPTED_LENGTH] - frame[UNARY_ACCEPTED_LENGTH]
-        frame["oracle_headroom"] = frame[ORACLE_ACCEPTED_LENGTH] - frame[REALIZED_ACCEPTED_LENGTH]
         frame = frame.sort_values(
             ["role", REALIZED_ACCEPTED_LENGTH, "run_name"], ascending=[True, False, True], na_position="last"
         ).reset_index(drop=True)
@@ -104,9 +87,25 @@ def collect(study: str, workdir: Path) -> StudyRecord:
         study,
         {
             "run_id": parent.info.run_id,
+            "experiment": experiment.name,
             "params": parent.data.params,
             "metrics": parent.data.metrics,
             "tags": parent.data.tags,
         },
         frame,
+        validation_documents(client, frame),
     )
+
+
+def validation_documents(client, runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Each finished run's per-document validation pairs (its logged artifact); runs without one are left out."""
+    found = {}
+    finished = runs[runs["status"] == RunStatus.FINISHED] if not runs.empty else runs
+    with tempfile.TemporaryDirectory() as scratch:
+        for run_id in finished.get("run_id", []):
+            try:
+                path = client.download_artifacts(run_id, VALIDATION_DOCUMENTS_FILE, f"{scratch}/{run_id}")
+            except (MlflowException, OSError):
+                continue
+            found[run_id] = pd.read_csv(path, keep_default_na=False)
+    return found

@@ -1,36 +1,73 @@
-"""Markdown tables, verdict lines that follow from the data, and PNG figures."""
+"""Markdown tables, verdict lines that follow from the data, and PNG figures; every number with its interval.
+
+A difference whose 95% interval contains 0 is reported as not distinguishable from noise, never ranked.
+"""
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-import pandas as pd
+import numpy as np
 
 from algorithms import ALGORITHMS
 from algorithms.metrics import (
+    ACCEPTED_LENGTHS,
     DRAFT_STEP_MS,
     ORACLE_ACCEPTED_LENGTH,
     REALIZED_ACCEPTED_LENGTH,
     TEACHER_FORCED_SELECTOR_ACC,
     UNARY_ACCEPTED_LENGTH,
+    UNARY_CANDIDATE_RECALL,
+    UNARY_CANDIDATE_TARGET_MASS,
+    conditional_acc_name,
+    unary_position_acc_name,
 )
 from algorithms.registry import REFERENCE_ALGORITHM
 from harness import tracking
 from harness.tracking import RunStatus
+from harness.uncertainty import Estimate, mean_estimate, unpaired_difference, wilson
 from reports.collect import TUNED_KNOBS, StudyRecord
+from reports.estimates import (
+    Configuration,
+    configurations,
+    difference,
+    estimate,
+    mean_of_estimates,
+    same_anchors,
+    within_run,
+)
 
 GENERATED_PREFIX = "Generated: "
+NOISE = "not distinguishable from noise at this budget"
+PATH_LABELS = {"unary": "unary (Recall@1)", "oracle": "oracle (Recall@K)", "realized": "realized"}
+MAX_SLOTS = 64
+MAX_LEVELS = 6  # a knob with more distinct values than this is split at its median instead
+# fANOVA fits a random forest of the objective on the knobs; with fewer than about four completed trials per
+# tuned knob, and under ten in all, its importances mostly reflect which trials happened to be sampled.
+MIN_TRIALS_PER_KNOB, MIN_TRIALS_FOR_IMPORTANCE = 4, 10
+FigureHook = Callable[[str, object], None]
 
 
-def fmt(value, digits: int = 4) -> str:
-    """Numbers exactly as stored, rounded to `digits`; blanks for missing."""
+def fmt(value, digits: int = 3) -> str:
+    """Plain numbers (counts, milliseconds) rounded to `digits`; blanks for missing."""
     if value is None or (isinstance(value, float) and math.isnan(value)) or value == "":
         return "–"
     if isinstance(value, float):
         return f"{value:.{digits}f}"
     return str(value)
+
+
+def fmt_value(value) -> str:
+    """A knob value as a reader writes it: 3, 0.154, 1e-04."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return str(int(number)) if number.is_integer() else f"{number:.3g}"
 
 
 def table(headers: list[str], rows: list[list]) -> str:
@@ -39,48 +76,56 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
-def label(row: pd.Series) -> str:
-    if row["role"] == "baseline":
-        return f"**baseline {row['baseline']}** (seed {row['seed']})"
-    return f"trial {row['trial']}"
+def verdict(effect: Estimate, signed: bool = True) -> str:
+    """The effect with its interval, and whether it is distinguishable from noise."""
+    if math.isnan(effect.low):
+        return f"{effect.text(signed)} (no interval)"
+    return effect.text(signed) + ("" if effect.excludes_zero else f": {NOISE}")
 
 
-def completed(record: StudyRecord) -> pd.DataFrame:
-    runs = record.runs
-    return runs[runs["status"] == RunStatus.FINISHED] if not runs.empty else runs
+def study_configurations(record: StudyRecord) -> list[Configuration]:
+    """Finished trials and baselines, best realized first."""
+    found = configurations(record.runs, record.documents)
+    return sorted(found, key=lambda c: (-estimate(c, REALIZED_ACCEPTED_LENGTH).value, c.key))
 
 
-def header(record: StudyRecord) -> str:
+def header(record: StudyRecord, configs: list[Configuration]) -> str:
     params, runs = record.parent["params"], record.runs
     counts = runs.groupby("status").size().to_dict() if not runs.empty else {}
-    trials = runs[runs["role"] == "trial"] if not runs.empty else runs
+    trials = runs[runs["role"] == tracking.ROLE_TRIAL] if not runs.empty else runs
     trial_counts = trials.groupby("status").size().to_dict() if not trials.empty else {}
     first = runs.iloc[0] if not runs.empty else None
     pinned = sorted((k.removeprefix("pinned.shared."), v) for k, v in params.items() if k.startswith("pinned.shared."))
-    target = (
-        f"{first['target']} (weights `{first['target_hash']}`)"
-        if first is not None
-        else params.get("pinned.target", "–")
-    )
-    data = (
-        f"{first['dataset']} (hash `{first['dataset_hash']}`)"
-        if first is not None
-        else params.get("pinned.data.dataset", "–")
-    )
+    target = f"{first['target']} (weights `{first['target_hash']}`)" if first is not None else "–"
+    data = f"{first['dataset']} (hash `{first['dataset_hash']}`)" if first is not None else "–"
+    if configs:
+        documents = configs[0].documents[configs[0].seeds[0]]
+        anchors = sum(len(cell.split()) for cell in documents["anchor_positions"])
+        shared = "identical for every run" if same_anchors(configs) else "NOT identical across runs"
+        validation = f"{anchors} anchors from {len(documents)} documents, {shared}"
+    else:
+        validation = "no finished run recorded its validation anchors"
     lines = [
         f"# Ablation report: `{record.name}`",
         "",
         f"- **Target:** {target}",
         f"- **Data:** {data}",
-        f"- **Objective:** {params.get('study.objectives', '–')} on the validation set (deterministic anchors); "
+        f"- **Objective:** {params.get('study.objectives', '–')} on the final validation; "
         f"sampler {params.get('study.sampler', '–')}, pruner {params.get('study.pruner', '–')}, "
-        f"{params.get('study.steps_per_trial', '–')} steps per trial",
-        f"- **Trials:** {sum(trial_counts.values())} "
+        f"{params.get('study.steps_per_trial', '–')} steps per run, seeds {params.get('study.seeds', '–')}",
+        f"- **Validation:** {validation}",
+        f"- **Runs:** {sum(trial_counts.values())} trials "
         f"({', '.join(f'{n} {s}' for s, n in sorted(trial_counts.items())) or 'none'}); "
-        f"baselines: {len(runs) - len(trials)}; "
-        f"all runs: {', '.join(f'{n} {s}' for s, n in sorted(counts.items())) or 'none'}",
-        f"- **MLflow:** experiment `{record.name}`, parent run `{record.parent['run_id']}`",
+        f"{len(runs) - len(trials)} baseline runs; "
+        f"all: {', '.join(f'{n} {s}' for s, n in sorted(counts.items())) or 'none'}",
+        f"- **MLflow:** experiment `{record.parent.get('experiment', record.name)}`, "
+        f"parent run `{record.parent['run_id']}`",
         f"- {GENERATED_PREFIX}{datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        "",
+        "**How to read the intervals.** Every value is followed by its 95% interval. Anchors of one document are "
+        "correlated, so the within-run standard error is clustered by document; where a configuration ran several "
+        "seeds, the spread between seeds is added. Differences are paired by document (and by seed where both "
+        f"sides ran the same seeds). A difference whose interval contains 0 is marked *{NOISE}*.",
         "",
         "Shared knobs pinned for every trial and baseline:",
         "",
@@ -89,17 +134,19 @@ def header(record: StudyRecord) -> str:
     return "\n".join(lines)
 
 
-def leaderboard(record: StudyRecord) -> str:
-    done = completed(record)
-    if done.empty:
+def leaderboard(configs: list[Configuration]) -> str:
+    if not configs:
         return "## Leaderboard\n\nNo trial or baseline completed, so there is nothing to rank yet."
-    measured = done[["measured_greedy", "measured_t1"]].notna().any().any()
+    best = configs[0]
+    measured = any(c.runs[["measured_greedy", "measured_t1"]].notna().any().any() for c in configs)
     headers = [
         "run",
         *TUNED_KNOBS,
+        "seeds",
         "unary",
         "realized",
         "oracle",
+        "realized − best",
         *(["measured T=0", "measured T=1"] if measured else []),
         "selector gain",
         "oracle headroom",
@@ -109,250 +156,306 @@ def leaderboard(record: StudyRecord) -> str:
         "draft step ms",
         "params",
     ]
-    rows = [
-        [
-            label(r),
-            *[r[k] for k in TUNED_KNOBS],
-            r[UNARY_ACCEPTED_LENGTH],
-            r[REALIZED_ACCEPTED_LENGTH],
-            r[ORACLE_ACCEPTED_LENGTH],
-            *([r["measured_greedy"], r["measured_t1"]] if measured else []),
-            r["selector_gain"],
-            r["oracle_headroom"],
-            r["recall_at_k"],
-            r["target_mass_at_k"],
-            r[TEACHER_FORCED_SELECTOR_ACC],
-            r[DRAFT_STEP_MS],
-            f"{int(r['parameters']):,}" if not math.isnan(r["parameters"]) else "",
-        ]
-        for _, r in done.sort_values([REALIZED_ACCEPTED_LENGTH, "run_name"], ascending=[False, True]).iterrows()
-    ]
+    rows = []
+    for config in configs:
+        first = config.first
+        versus_best = "best" if config is best else verdict(difference(config, REALIZED_ACCEPTED_LENGTH, best))
+        rows.append(
+            [
+                config.label,
+                *[fmt_value(first[k]) if first[k] != "" else "" for k in TUNED_KNOBS],
+                len(config.seeds),
+                *[estimate(config, m).text() for m in ACCEPTED_LENGTHS],
+                versus_best,
+                *([measured_text(config, "measured_greedy"), measured_text(config, "measured_t1")] if measured else []),
+                difference(config, REALIZED_ACCEPTED_LENGTH, config, UNARY_ACCEPTED_LENGTH).text(signed=True),
+                difference(config, ORACLE_ACCEPTED_LENGTH, config, REALIZED_ACCEPTED_LENGTH).text(signed=True),
+                *[
+                    estimate(config, m).text()
+                    for m in (UNARY_CANDIDATE_RECALL, UNARY_CANDIDATE_TARGET_MASS, TEACHER_FORCED_SELECTOR_ACC)
+                ],
+                fmt(float(config.runs[DRAFT_STEP_MS].mean()), 2),
+                f"{int(first['parameters']):,}" if not math.isnan(first["parameters"]) else "",
+            ]
+        )
     note = (
         "Accepted lengths include the verified anchor. *unary*: the argmax path plain DFlash decoding realizes; "
         "*realized*: the selector walk replayed for real; *oracle*: target inside the unary top-K at every slot. "
-        "Target mass@K is measured on the original unary top-K (no training-time injection). "
-        "K is each run's `candidate_top_k`. *Measured* columns, where present, are per-request mean "
-        "acceptance of real speculative "
-        "decoding with the target (MT-bench + held-out chat prompts, `dflash-lab evaluate`)."
+        "*Selector gain* is realized − unary and *oracle headroom* oracle − realized, both paired within the run. "
+        "Target mass@K is measured on the original unary top-K; K is each run's `candidate_top_k`. "
+        "*Measured* columns, where present, are real speculative decoding with the target (per-request mean, "
+        "`dflash-lab evaluate`). The best row is selected on this same validation set, so its lead is optimistic."
     )
     return "## Leaderboard\n\n" + note + "\n\n" + table(headers, rows)
 
 
-def knob_effects(record: StudyRecord, figure: str | None) -> str:
-    done = completed(record)
-    trials = done[done["role"] == "trial"] if not done.empty else done
+def measured_text(config: Configuration, column: str) -> str:
+    values = config.runs[column].dropna()
+    if values.empty:
+        return "–"
+    if len(values) > 1:
+        return mean_estimate(values).text()
+    row = config.runs.loc[values.index[0]]
+    se = row.get(column + "_se", float("nan"))
+    return Estimate(float(values.iloc[0]), se, *_normal(values.iloc[0], se), 0).text()
+
+
+def _normal(value: float, se: float) -> tuple[float, float]:
+    return (value - 1.96 * se, value + 1.96 * se) if math.isfinite(se) else (float("nan"), float("nan"))
+
+
+def noise_sources(configs: list[Configuration]) -> str | None:
+    """Mean over seeds, spread between seeds and within-run standard error, and which one dominates."""
+    seeded = [c for c in configs if len(c.seeds) > 1]
+    if not seeded:
+        return (
+            "## Seeds and noise\n\nEvery configuration ran one seed, so the spread between seeds is not measured: "
+            "the intervals above cover the choice of validation anchors only, not the randomness of training."
+        )
+    rows = []
+    for config in seeded:
+        values = config.per_seed(REALIZED_ACCEPTED_LENGTH)
+        spread = float(np.std(values, ddof=1))
+        within = float(np.mean([within_run(_single(config, s), REALIZED_ACCEPTED_LENGTH).se for s in config.seeds]))
+        dominant = "seeds" if spread > within else "anchors"
+        rows.append(
+            [config.label, len(values), " / ".join(f"{v:.3f}" for v in values), fmt(spread), fmt(within), dominant]
+        )
+    return "## Seeds and noise\n\n" + (
+        "Realized accepted length per seed. *Seed spread* is the standard deviation between seeds (training "
+        "noise); *within-run SE* the mean clustered standard error of one run (anchor noise). The larger one "
+        "dominates the intervals.\n\n"
+        + table(["run", "seeds", "per seed", "seed spread", "within-run SE", "dominates"], rows)
+    )
+
+
+def _single(config: Configuration, seed: str) -> Configuration:
+    return Configuration(config.key, config.label, config.runs, {seed: config.documents[seed]})
+
+
+def component_ablation(configs: list[Configuration]) -> str | None:
+    """Each registered variant run as a baseline: accepted lengths, and its gain over the reference algorithm.
+    None when the study ran fewer than two variants."""
+    variants = {
+        c.first["baseline"]: c
+        for c in configs
+        if c.first["role"] == tracking.ROLE_BASELINE and c.first["baseline"] in ALGORITHMS
+    }
+    names = [name for name in ALGORITHMS if name in variants]
+    if len(names) < 2:
+        return None
+    rows = [
+        [
+            f"`{n}`",
+            ALGORITHMS[n].description,
+            len(variants[n].seeds),
+            *[estimate(variants[n], m).text() for m in ACCEPTED_LENGTHS],
+        ]
+        for n in names
+    ]
+    parts = [
+        "## Component ablation",
+        "Every variant shares the study's pinned shared knobs and the base's conv and selector knobs; "
+        "values are over seeds, with 95% intervals.",
+        table(["variant", "components", "seeds", "unary", "realized", "oracle"], rows),
+    ]
+    reference = variants.get(REFERENCE_ALGORITHM)
+    if reference is None:
+        return "\n\n".join(parts)
+    gains = []
+    for name in names:
+        if name == REFERENCE_ALGORITHM:
+            continue
+        for metric in (REALIZED_ACCEPTED_LENGTH, UNARY_ACCEPTED_LENGTH):
+            effect = difference(variants[name], metric, reference)
+            seeds = len(set(variants[name].seeds) & set(reference.seeds))
+            word = "gain" if effect.value > 0 else "loss"
+            gains.append(
+                [
+                    f"`{name}` − `{REFERENCE_ALGORITHM}`",
+                    metric.split("_")[0],
+                    seeds,
+                    effect.text(signed=True),
+                    word if effect.excludes_zero else NOISE,
+                ]
+            )
+    parts += [
+        f"Gain of each variant over `{REFERENCE_ALGORITHM}`, paired by document and seed:",
+        table(["difference", "accepted length", "seeds", "effect [95% interval]", "verdict"], gains),
+    ]
+    return "\n\n".join(parts)
+
+
+def knob_levels(trials: list[Configuration], knob: str) -> list[tuple[str, list[Configuration]]]:
+    """The trials at each level of a knob; a knob with many distinct values splits at its median."""
+    values = {c.key: float(c.first[knob]) for c in trials if c.first[knob] != ""}
+    distinct = sorted(set(values.values()))
+    if len(distinct) < 2:
+        return []
+    if len(distinct) <= MAX_LEVELS:
+        return [(fmt_value(v), [c for c in trials if values.get(c.key) == v]) for v in distinct]
+    median = float(np.median(list(values.values())))
+    low = [c for c in trials if c.key in values and values[c.key] <= median]
+    high = [c for c in trials if c.key in values and values[c.key] > median]
+    return [(f"≤ {fmt_value(median)}", low), (f"> {fmt_value(median)}", high)]
+
+
+def level_estimate(configs: list[Configuration]) -> Estimate:
+    values = [estimate(c, REALIZED_ACCEPTED_LENGTH).value for c in configs]
+    return mean_of_estimates(values, estimate(configs[0], REALIZED_ACCEPTED_LENGTH))
+
+
+def knob_effects(configs: list[Configuration], figure: str | None) -> tuple[str, list[str]]:
+    """Per knob: realized accepted length at each level with its interval; returns the section and the knobs
+    whose effect is distinguishable from noise."""
+    trials = [c for c in configs if c.first["role"] == tracking.ROLE_TRIAL]
     parts = ["## Knob effects"]
     if len(trials) < 2:
         parts.append(f"{len(trials)} completed trial(s): too few to estimate knob effects.")
-        return "\n\n".join(parts)
+        return "\n\n".join(parts), []
+    parts.append(
+        "Realized accepted length at each level: the mean over the level's trials with its t interval, or, for a "
+        "level with one trial, that trial's own interval. *Effect* compares the best level with the worst."
+    )
+    resolved = []
     for knob in TUNED_KNOBS:
-        values = trials[knob].replace("", pd.NA).dropna()
-        if values.nunique() < 2:
+        levels = knob_levels(trials, knob)
+        if not levels:
             continue
-        grouped = (
-            trials.assign(value=trials[knob].astype(float))
-            .groupby("value")[REALIZED_ACCEPTED_LENGTH]
-            .agg(["mean", "std", "count"])
-        )
+        estimates = [(name, members, level_estimate(members)) for name, members in levels]
+        best = max(estimates, key=lambda e: e[2].value)
+        worst = min(estimates, key=lambda e: e[2].value)
+        effect = unpaired_difference(best[2], worst[2])
+        if effect.excludes_zero:
+            resolved.append(knob)
         parts.append(
-            f"**{knob}** (realized accepted length, mean ± std over trials)\n\n"
+            f"**{knob}**: effect {best[0]} − {worst[0]} = {verdict(effect)}\n\n"
             + table(
-                [knob, "mean", "std", "trials"],
-                [[fmt_value(v), r["mean"], r["std"], int(r["count"])] for v, r in grouped.iterrows()],
+                [knob, "trials", "realized [95% interval]"],
+                [[name, len(members), e.text()] for name, members, e in estimates],
             )
         )
-    importances = {
+    if figure:
+        parts.append(f"![realized accepted length at each level of each knob]({figure})")
+    return "\n\n".join(parts), resolved
+
+
+def importances(record: StudyRecord, trials: int) -> str:
+    values = {
         k.removeprefix(tracking.IMPORTANCE_PREFIX): v
         for k, v in record.parent["metrics"].items()
         if k.startswith(tracking.IMPORTANCE_PREFIX)
     }
-    if importances:
-        parts.append(
-            "Optuna parameter importances (fANOVA on the objective):\n\n"
-            + table(["knob", "importance"], [[k, v] for k, v in sorted(importances.items(), key=lambda kv: -kv[1])])
+    knobs = max(1, len(values) or len(TUNED_KNOBS))
+    needed = max(MIN_TRIALS_FOR_IMPORTANCE, MIN_TRIALS_PER_KNOB * knobs)
+    if not values:
+        return "Optuna parameter importances were not computed (no completed trials with varied knobs)."
+    if trials < needed:
+        return (
+            f"Optuna parameter importances are not shown: {trials} completed trials for {knobs} knobs, and fANOVA "
+            f"needs at least {needed} (four per knob, ten in all) before its ranking reflects the knobs rather than "
+            "which trials happened to be sampled."
         )
-    if figure:
-        parts.append(f"![realized accepted length against each knob]({figure})")
-    return "\n\n".join(parts)
-
-
-def fmt_value(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{value:g}"
-
-
-def positions(row: pd.Series, path: str) -> list[tuple[int, float]]:
-    return sorted(
-        (int(c.removeprefix(f"{path}_pos")), row[c])
-        for c in row.index
-        if c.startswith(f"{path}_pos") and not pd.isna(row[c])
+    return "Optuna parameter importances (fANOVA on the objective):\n\n" + table(
+        ["knob", "importance"], [[k, fmt(v, 2)] for k, v in sorted(values.items(), key=lambda kv: -kv[1])]
     )
 
 
-def best_and_dflash(record: StudyRecord) -> list[tuple[str, pd.Series]]:
-    done = completed(record)
+def best_and_reference(configs: list[Configuration]) -> list[tuple[str, Configuration]]:
     chosen = []
-    trials = done[done["role"] == "trial"] if not done.empty else done
-    if not trials.empty:
-        chosen.append(
-            (
-                "best trial " + str(trials.iloc[0]["trial"]),
-                trials.sort_values(REALIZED_ACCEPTED_LENGTH, ascending=False).iloc[0],
-            )
-        )
-    is_reference = (done["role"] == tracking.ROLE_BASELINE) & (done["baseline"] == REFERENCE_ALGORITHM)
-    dflash = done[is_reference] if not done.empty else done
-    if not dflash.empty:
-        chosen.append(("DFlash baseline", dflash.sort_values("seed").iloc[0]))
+    trials = [c for c in configs if c.first["role"] == tracking.ROLE_TRIAL]
+    if trials:
+        chosen.append(("best " + trials[0].label, trials[0]))
+    reference = [
+        c for c in configs if c.first["role"] == tracking.ROLE_BASELINE and c.first["baseline"] == REFERENCE_ALGORITHM
+    ]
+    if reference:
+        chosen.append((f"{REFERENCE_ALGORITHM} baseline", reference[0]))
     return chosen
 
 
-def per_position(record: StudyRecord, figure: str | None) -> str:
-    chosen = best_and_dflash(record)
+def slot_counts(config: Configuration, name: str) -> tuple[float, float]:
+    sums, totals = config.pooled(name)
+    return float(sums.sum()), float(totals.sum())
+
+
+def slots(config: Configuration) -> list[int]:
+    return [s for s in range(MAX_SLOTS) if config.has(unary_position_acc_name(s))]
+
+
+def per_position(configs: list[Configuration], figure: str | None) -> str:
+    chosen = best_and_reference(configs)
     parts = ["## Per-position acceptance"]
     if not chosen:
         parts.append("No completed run to show.")
         return "\n\n".join(parts)
     parts.append(
-        "Conditional on every earlier slot being accepted (the shape of the DFlash2 blog's Table 1). "
-        "Recall@1 is the unary argmax path, Recall@K the unary top-K (oracle) path, and *realized* the selector walk."
+        "Conditional on every earlier slot being accepted, pooled over seeds, with a 95% Wilson interval and the "
+        "number of anchors each rate rests on (*n*). Few anchors reach the late slots, so their rates are wide."
     )
-    for title, row in chosen:
-        slots = [s for s, _ in positions(row, "unary")]
-        rows = [
-            ["Recall@1", *[v for _, v in positions(row, "unary")], row[UNARY_ACCEPTED_LENGTH]],
-            [f"Recall@{row['top_k']}", *[v for _, v in positions(row, "oracle")], row[ORACLE_ACCEPTED_LENGTH]],
-            ["realized", *[v for _, v in positions(row, "realized")], row[REALIZED_ACCEPTED_LENGTH]],
-        ]
+    for title, config in chosen:
+        positions = slots(config)
+        rows = [["anchors", *[int(slot_counts(config, unary_position_acc_name(s))[1]) for s in positions], ""]]
+        for path in ("unary", "oracle", "realized"):
+            cells = []
+            for s in positions:
+                accepted, total = slot_counts(config, conditional_acc_name(path, s))
+                low, high = wilson(accepted, total)
+                cells.append(f"{accepted / total:.2f} [{low:.2f}, {high:.2f}] n={int(total)}" if total else "–")
+            rows.append([PATH_LABELS[path], *cells, estimate(config, f"{path}_accepted_length").text()])
         parts.append(
-            f"**{title}** ({row['run_name']})\n\n" + table(["", *[f"pos {s}" for s in slots], "accepted length"], rows)
+            f"**{title}** ({config.first['run_name']})\n\n"
+            + table(["", *[f"pos {s}" for s in positions], "accepted length"], rows)
         )
     if figure:
         parts.append(f"![per-position conditional acceptance]({figure})")
     return "\n\n".join(parts)
 
 
-def seed_interval(values: pd.Series, confidence: float = 0.95) -> tuple[float, float, float]:
-    """Mean and the t-interval over seeds (nan bounds with fewer than two)."""
-    from scipy import stats
-
-    mean = float(values.mean())
-    if len(values) < 2:
-        return mean, float("nan"), float("nan")
-    half = float(stats.t.ppf(0.5 + confidence / 2, len(values) - 1) * values.std(ddof=1) / math.sqrt(len(values)))
-    return mean, mean - half, mean + half
-
-
-def component_ablation(record: StudyRecord) -> str | None:
-    """Each registered variant run as a baseline: accepted lengths over seeds, and its gain over the
-    reference algorithm paired by seed. None when the study ran fewer than two variants."""
-    done = completed(record)
-    variants = done[(done["role"] == tracking.ROLE_BASELINE) & done["baseline"].isin(list(ALGORITHMS))]
-    names = [name for name in ALGORITHMS if name in set(variants["baseline"])]
-    if len(names) < 2:
-        return None
-    metrics = (UNARY_ACCEPTED_LENGTH, REALIZED_ACCEPTED_LENGTH, ORACLE_ACCEPTED_LENGTH)
-    rows = []
-    for name in names:
-        runs = variants[variants["baseline"] == name]
-        cells = [
-            f"{fmt(runs[m].mean(), 3)} ± {fmt(runs[m].std() if len(runs) > 1 else float('nan'), 3)}" for m in metrics
-        ]
-        rows.append([f"`{name}`", ALGORITHMS[name].description, len(runs), *cells])
-    parts = [
-        "## Component ablation",
-        "Every variant shares the study's pinned shared knobs and the base's conv and selector knobs; "
-        "values are the mean ± standard deviation over seeds of the final validation.",
-        table(["variant", "components", "seeds", "unary", "realized", "oracle"], rows),
-    ]
-    reference = variants[variants["baseline"] == REFERENCE_ALGORITHM].set_index("seed")
-    if reference.empty:
-        return "\n\n".join(parts)
-    gains = []
-    for name in names:
-        if name == REFERENCE_ALGORITHM:
-            continue
-        runs = variants[variants["baseline"] == name].set_index("seed")
-        seeds = sorted(set(runs.index) & set(reference.index))
-        for metric in (REALIZED_ACCEPTED_LENGTH, UNARY_ACCEPTED_LENGTH):
-            paired = runs.loc[seeds, metric] - reference.loc[seeds, metric]
-            mean, low, high = seed_interval(paired)
-            if math.isnan(low):
-                verdict = "one seed: no interval"
-            elif low <= 0 <= high:
-                verdict = "not distinguishable from noise at this budget"
-            else:
-                verdict = "gain" if mean > 0 else "loss"
-            interval = "–" if math.isnan(low) else f"[{low:+.3f}, {high:+.3f}]"
-            gains.append(
-                [
-                    f"`{name}` − `{REFERENCE_ALGORITHM}`",
-                    metric.split("_")[0],
-                    len(seeds),
-                    f"{mean:+.3f}",
-                    interval,
-                    verdict,
-                ]
-            )
-    parts += [
-        f"Gain of each variant over `{REFERENCE_ALGORITHM}`, paired by seed, with the 95% t-interval over seeds "
-        "(the spread between seeds is the noise here; within-run anchor noise is not yet included):",
-        table(["difference", "accepted length", "seeds", "mean", "95% interval", "verdict"], gains),
-    ]
-    return "\n\n".join(parts)
-
-
-def has_selector(algorithm: str) -> bool:
-    return algorithm in ALGORITHMS and ALGORITHMS[algorithm].has_selector
-
-
-def verdicts(record: StudyRecord) -> str:
-    """Statements computed from the recorded numbers; each says what it is based on."""
-    done = completed(record)
-    lines = ["## Verdicts"]
-    if done.empty:
+def verdicts(record: StudyRecord, configs: list[Configuration], resolved_knobs: list[str]) -> str:
+    """Statements computed from the recorded numbers, each with its interval."""
+    if not configs:
         return "## Verdicts\n\n- No completed runs: no verdict can be drawn."
-    selector_runs = done[done["algorithm"].map(has_selector)]
-    if not selector_runs.empty:
-        best = selector_runs.sort_values(REALIZED_ACCEPTED_LENGTH, ascending=False).iloc[0]
-        gain, unary = best["selector_gain"], best[UNARY_ACCEPTED_LENGTH]
-        relative = 100 * gain / unary if unary else float("nan")
-        verb = "beats" if gain > 0 else ("ties" if gain == 0 else "trails")
-        spread = selector_runs["selector_gain"]
+    lines = ["## Verdicts"]
+    selector = [
+        c for c in configs if c.first["algorithm"] in ALGORITHMS and ALGORITHMS[c.first["algorithm"]].has_selector
+    ]
+    if selector:
+        best = selector[0]
+        gain = difference(best, REALIZED_ACCEPTED_LENGTH, best, UNARY_ACCEPTED_LENGTH)
+        headroom = difference(best, ORACLE_ACCEPTED_LENGTH, best, REALIZED_ACCEPTED_LENGTH)
         lines.append(
-            f"- The selector {verb} unary decoding on the best selector run ({label(best)}): "
-            f"realized {fmt(best['realized_accepted_length'])} vs unary {fmt(unary)} ({fmt(gain)}, {relative:+.1f}%). "
-            f"Across {len(selector_runs)} completed selector runs the gain is {fmt(spread.mean())} ± "
-            f"{fmt(spread.std() if len(spread) > 1 else 0.0)}, positive in {int((spread > 0).sum())}."
+            f"- Selector gain (realized − unary) on the best selector run, {best.label}: {verdict(gain)}; "
+            f"positive and resolved in {sum(_resolved_gain(c) for c in selector)} of {len(selector)} selector runs."
         )
-        headroom_note = (
-            "a better re-ranker of the same candidates could still gain this much."
-            if best["oracle_headroom"] > 0.05
-            else "the selector is close to the top-K ceiling."
+        lines.append(f"- Oracle headroom (oracle − realized) on that run: {verdict(headroom)} tokens per cycle.")
+    reference = [
+        c for c in configs if c.first["role"] == tracking.ROLE_BASELINE and c.first["baseline"] == REFERENCE_ALGORITHM
+    ]
+    if reference and selector:
+        ahead = difference(selector[0], REALIZED_ACCEPTED_LENGTH, reference[0])
+        seeds = (
+            "paired by document and seed" if set(selector[0].seeds) & set(reference[0].seeds) else "paired by document"
         )
         lines.append(
-            f"- Oracle headroom on that run: {fmt(best['oracle_headroom'])} tokens per cycle "
-            f"(oracle {fmt(best['oracle_accepted_length'])}): {headroom_note}"
+            f"- {selector[0].label} − {REFERENCE_ALGORITHM} baseline, realized accepted length ({seeds}, mean over "
+            f"seeds against mean over seeds): {verdict(ahead)}."
         )
-    reference = done[done["algorithm"] == REFERENCE_ALGORITHM]
-    if not reference.empty and not selector_runs.empty:
-        d1 = reference[REALIZED_ACCEPTED_LENGTH]
-        best_value = selector_runs[REALIZED_ACCEPTED_LENGTH].max()
-        seeds = f" (over {len(d1)} seeds: {fmt(d1.mean())} ± {fmt(d1.std())})" if len(d1) > 1 else ""
-        ahead = "the selector run ahead" if best_value > d1.mean() else f"{REFERENCE_ALGORITHM} ahead or equal"
+    trials = sum(1 for c in configs if c.first["role"] == tracking.ROLE_TRIAL)
+    if trials >= 2:
         lines.append(
-            f"- Best selector run realized {fmt(best_value)} vs {REFERENCE_ALGORITHM} baseline "
-            f"{fmt(d1.mean())}{seeds}: "
-            f"{ahead} by {fmt(abs(best_value - d1.mean()))}."
+            f"- Knobs whose effect is distinguishable from noise: {', '.join(f'`{k}`' for k in resolved_knobs)}."
+            if resolved_knobs
+            else f"- No knob's effect is distinguishable from noise at this budget ({trials} completed trials)."
         )
-    importances = {
-        k.removeprefix(tracking.IMPORTANCE_PREFIX): v
-        for k, v in record.parent["metrics"].items()
-        if k.startswith(tracking.IMPORTANCE_PREFIX)
-    }
-    if importances:
-        knob, value = max(importances.items(), key=lambda kv: kv[1])
-        lines.append(f"- The knob that mattered most (Optuna importance): `{knob}` ({fmt(value, 3)}).")
+    if all(len(c.seeds) < 2 for c in configs):
+        lines.append("- One seed per configuration: training noise is not in these intervals.")
     return "\n".join(lines)
+
+
+def _resolved_gain(config: Configuration) -> bool:
+    gain = difference(config, REALIZED_ACCEPTED_LENGTH, config, UNARY_ACCEPTED_LENGTH)
+    return gain.excludes_zero and gain.value > 0
 
 
 def problems(record: StudyRecord) -> str:
@@ -361,113 +464,194 @@ def problems(record: StudyRecord) -> str:
     if bad.empty:
         return "## Pruned, infeasible and failed runs\n\nNone."
     rows = [
-        [label(r), r["status"], r["reason"] or "–", *[r[k] for k in TUNED_KNOBS]]
+        [
+            f"baseline {r['baseline']} seed {r['seed']}"
+            if r["role"] == tracking.ROLE_BASELINE
+            else f"trial {r['trial']}",
+            r["status"],
+            r["reason"] or "–",
+            *[fmt_value(r[k]) if r[k] != "" else "" for k in TUNED_KNOBS],
+        ]
         for _, r in bad.sort_values("run_name").iterrows()
     ]
     return "## Pruned, infeasible and failed runs\n\n" + table(["run", "status", "reason", *TUNED_KNOBS], rows)
 
 
-def knob_figure(record: StudyRecord, path: Path) -> bool:
+# ---- figures ----------------------------------------------------------------------------------------------
+
+
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    trials = completed(record)
-    trials = trials[trials["role"] == "trial"] if not trials.empty else trials
-    knobs = [k for k in TUNED_KNOBS if not trials.empty and trials[k].replace("", pd.NA).dropna().nunique() >= 2]
+    return plt
+
+
+def search_kinds(record: StudyRecord) -> dict[str, dict]:
+    """The study's declared dimensions (kind, log) by knob, from the parent run."""
+    try:
+        return json.loads(record.parent["params"].get("study.search_space", "{}"))
+    except json.JSONDecodeError:
+        return {}
+
+
+def knob_figure(record: StudyRecord, configs: list[Configuration]):
+    """Each knob's levels with 95% error bars: categorical axes for categorical knobs, plain ticks on log axes."""
+    from matplotlib.ticker import FixedLocator, NullFormatter
+
+    plt = _pyplot()
+    trials = [c for c in configs if c.first["role"] == tracking.ROLE_TRIAL]
+    knobs = [k for k in TUNED_KNOBS if knob_levels(trials, k)]
     if len(trials) < 2 or not knobs:
-        return False
-    fig, axes = plt.subplots(1, len(knobs), figsize=(3.2 * len(knobs), 3), squeeze=False)
+        return None
+    kinds = search_kinds(record)
+    fig, axes = plt.subplots(1, len(knobs), figsize=(3.4 * len(knobs), 3.2), squeeze=False)
     for axis, knob in zip(axes[0], knobs, strict=True):
-        x = trials[knob].astype(float)
-        for metric, marker in (
-            (UNARY_ACCEPTED_LENGTH, "s"),
-            (REALIZED_ACCEPTED_LENGTH, "o"),
-            (ORACLE_ACCEPTED_LENGTH, "^"),
-        ):
-            axis.scatter(x, trials[metric], marker=marker, label=metric.split("_")[0], alpha=0.8)
-        axis.set_xlabel(knob)
-        if knob in ("selector_rank", "selector_loss_alpha", "conv_group_size"):
+        dimension = kinds.get(knob, {})
+        categorical = dimension.get("kind") == "categorical"
+        values = sorted({float(c.first[knob]) for c in trials})
+        for offset, (metric, marker) in zip((-0.12, 0.0, 0.12), zip(ACCEPTED_LENGTHS, "so^", strict=True), strict=True):
+            xs, ys, errors = [], [], []
+            for c in trials:
+                value, point = float(c.first[knob]), estimate(c, metric)
+                x = values.index(value) + offset if categorical else value
+                xs.append(x)
+                ys.append(point.value)
+                errors.append(
+                    [[point.value - point.low], [point.high - point.value]] if not math.isnan(point.low) else [[0], [0]]
+                )
+            yerr = np.array(errors).reshape(len(errors), 2).T
+            axis.errorbar(xs, ys, yerr=yerr, fmt=marker, capsize=2, alpha=0.8, label=metric.split("_")[0])
+        if categorical:
+            axis.set_xticks(range(len(values)), [fmt_value(v) for v in values])
+        elif dimension.get("log"):
             axis.set_xscale("log")
-    axes[0][0].set_ylabel("accepted length")
+            axis.xaxis.set_major_locator(FixedLocator(_few(values)))
+            axis.xaxis.set_major_formatter(lambda x, _: fmt_value(x))
+            axis.xaxis.set_minor_formatter(NullFormatter())
+        axis.set_xlabel(knob)
+    axes[0][0].set_ylabel("accepted length (95% interval)")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
-def position_figure(record: StudyRecord, path: Path) -> bool:
-    import matplotlib
+def _few(values: list[float], most: int = 4) -> list[float]:
+    """At most `most` tick positions from the observed values, spread over their range."""
+    if len(values) <= most:
+        return values
+    return [values[round(i * (len(values) - 1) / (most - 1))] for i in range(most)]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    chosen = best_and_dflash(record)
+def position_figure(configs: list[Configuration]):
+    plt = _pyplot()
+    chosen = best_and_reference(configs)
     if not chosen:
-        return False
-    fig, axis = plt.subplots(figsize=(6, 3.5))
-    for (title, row), style in zip(chosen, ("-", "--"), strict=False):
-        for path_name, name in (("unary", "Recall@1"), ("oracle", f"Recall@{row['top_k']}"), ("realized", "realized")):
-            points = positions(row, path_name)
-            axis.plot([s for s, _ in points], [v for _, v in points], style, marker="o", label=f"{title}: {name}")
+        return None
+    fig, axis = plt.subplots(figsize=(6.5, 3.8))
+    for (title, config), style in zip(chosen, ("-", "--"), strict=False):
+        for path in ("unary", "oracle", "realized"):
+            xs, ys, low, high = [], [], [], []
+            for s in slots(config):
+                accepted, total = slot_counts(config, conditional_acc_name(path, s))
+                if total:
+                    lo, hi = wilson(accepted, total)
+                    xs.append(s)
+                    ys.append(accepted / total)
+                    low.append(accepted / total - lo)
+                    high.append(hi - accepted / total)
+            axis.errorbar(
+                xs, ys, yerr=[low, high], fmt=style, marker="o", capsize=2, label=f"{title}: {PATH_LABELS[path]}"
+            )
     axis.set_xlabel("draft position")
-    axis.set_ylabel("conditional acceptance")
+    axis.set_ylabel("conditional acceptance (95% Wilson)")
     axis.set_ylim(0, 1.02)
     axis.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return fig
 
 
-def render(record: StudyRecord, out_dir: Path) -> str:
+def accepted_lengths_figure(configs: list[Configuration]):
+    """The three accepted lengths of every configuration, grouped bars with 95% error bars and labels."""
+    plt = _pyplot()
+    if not configs:
+        return None
+    fig, axis = plt.subplots(figsize=(max(5.0, 0.9 * len(configs) + 2), 3.8))
+    x = np.arange(len(configs))
+    for offset, metric in zip((-0.27, 0.0, 0.27), ACCEPTED_LENGTHS, strict=True):
+        points = [estimate(c, metric) for c in configs]
+        values = [p.value for p in points]
+        errors = [
+            [p.value - p.low if not math.isnan(p.low) else 0 for p in points],
+            [p.high - p.value if not math.isnan(p.high) else 0 for p in points],
+        ]
+        axis.bar(x + offset, values, width=0.27, yerr=errors, capsize=2, label=metric.split("_")[0])
+    axis.set_xticks(x, [c.label for c in configs], rotation=30, ha="right", fontsize=8)
+    axis.set_ylabel("accepted length (95% interval)")
+    axis.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+FIGURES = {
+    "knob_effects.png": lambda record, configs: knob_figure(record, configs),
+    "per_position.png": lambda record, configs: position_figure(configs),
+    "accepted_lengths.png": lambda record, configs: accepted_lengths_figure(configs),
+}
+
+
+def render(record: StudyRecord, out_dir: Path, on_figure: FigureHook | None = None) -> str:
+    """The report's markdown; its figures are written beside it (and handed to `on_figure` before closing)."""
+    plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
-    knobs_png = "knob_effects.png" if knob_figure(record, out_dir / "knob_effects.png") else None
-    positions_png = "per_position.png" if position_figure(record, out_dir / "per_position.png") else None
-    return (
-        "\n\n".join(
-            [
-                header(record),
-                leaderboard(record),
-                *filter(None, [component_ablation(record)]),
-                knob_effects(record, knobs_png),
-                per_position(record, positions_png),
-                verdicts(record),
-                problems(record),
-            ]
-        )
-        + "\n"
-    )
+    configs = study_configurations(record)
+    written = set()
+    for name, build in FIGURES.items():
+        figure = build(record, configs)
+        if figure is None:
+            continue
+        figure.savefig(out_dir / name, dpi=110)
+        if on_figure is not None:
+            on_figure(name, figure)
+        plt.close(figure)
+        written.add(name)
+    trials = sum(1 for c in configs if c.first["role"] == tracking.ROLE_TRIAL)
+    effects, resolved = knob_effects(configs, "knob_effects.png" if "knob_effects.png" in written else None)
+    sections = [
+        header(record, configs),
+        leaderboard(configs),
+        *(
+            ["![unary, realized and oracle accepted length per run](accepted_lengths.png)"]
+            if "accepted_lengths.png" in written
+            else []
+        ),
+        *filter(None, [component_ablation(configs), noise_sources(configs)]),
+        effects,
+        importances(record, trials),
+        per_position(configs, "per_position.png" if "per_position.png" in written else None),
+        verdicts(record, configs, resolved),
+        problems(record),
+    ]
+    return "\n\n".join(sections) + "\n"
 
 
 def render_comparison(first: StudyRecord, second: StudyRecord) -> str:
-    """Two studies side by side: counts, best runs and the headline metrics."""
+    """Two studies side by side under the same rules: intervals on every number, best against best."""
+    bests = []
     rows = []
     for record in (first, second):
-        done = completed(record)
-        best = done.sort_values(REALIZED_ACCEPTED_LENGTH, ascending=False).iloc[0] if not done.empty else None
+        configs = study_configurations(record)
+        best = configs[0] if configs else None
+        bests.append(best)
         rows.append(
             [
                 record.name,
                 len(record.runs),
-                len(done),
-                label(best) if best is not None else "–",
-                *(
-                    [
-                        best[m]
-                        for m in (
-                            UNARY_ACCEPTED_LENGTH,
-                            REALIZED_ACCEPTED_LENGTH,
-                            ORACLE_ACCEPTED_LENGTH,
-                            "selector_gain",
-                            "oracle_headroom",
-                        )
-                    ]
-                    if best is not None
-                    else ["–"] * 5
-                ),
+                len(configs),
+                best.label if best else "–",
+                *([estimate(best, m).text() for m in ACCEPTED_LENGTHS] if best else ["–"] * 3),
             ]
         )
     lines = [
@@ -475,21 +659,16 @@ def render_comparison(first: StudyRecord, second: StudyRecord) -> str:
         "",
         f"- {GENERATED_PREFIX}{datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
         "",
-        table(
-            [
-                "study",
-                "runs",
-                "completed",
-                "best run",
-                "unary",
-                "realized",
-                "oracle",
-                "selector gain",
-                "oracle headroom",
-            ],
-            rows,
-        ),
+        table(["study", "runs", "finished configurations", "best run", "unary", "realized", "oracle"], rows),
     ]
+    if all(bests):
+        a, b = bests
+        if same_anchors([a, b]):
+            effect, how = difference(a, REALIZED_ACCEPTED_LENGTH, b), "paired by document: the same anchors"
+        else:
+            effect = unpaired_difference(estimate(a, REALIZED_ACCEPTED_LENGTH), estimate(b, REALIZED_ACCEPTED_LENGTH))
+            how = "unpaired: the studies validated on different anchors"
+        lines += ["", f"Best realized of `{first.name}` − best of `{second.name}` ({how}): {verdict(effect)}."]
     for record in (first, second):
-        lines += ["", f"## `{record.name}`", "", leaderboard(record).split("\n", 2)[2]]
+        lines += ["", f"## `{record.name}`", "", leaderboard(study_configurations(record)).split("\n", 2)[2]]
     return "\n".join(lines) + "\n"

@@ -39,7 +39,8 @@ from studies.schema import PUBLISHED_SUFFIX, StudyDefinition, StudyDefinitionErr
 log = logging.getLogger(__name__)
 ATTR_PARENT_RUN = "mlflow_parent_run_id"
 ATTR_DEFINITION = "definition_yaml"
-ATTR_RUN_ID = "mlflow_run_id"
+ATTR_RUN_ID = "mlflow_run_id"  # the trial's first seed's run
+ATTR_SEED_VALUES = "seed_values"  # the objective values of each seed, in the study's seed order
 ATTR_FAIL_REASON = "fail_reason"
 ATTR_INFEASIBLE = "infeasible_reason"
 ATTR_PRUNED = "pruned_reason"
@@ -185,8 +186,9 @@ def baseline_config(definition: StudyDefinition, baseline: str, seed: int) -> Ru
     return with_budget(definition, algorithm, seed)
 
 
-def trial_run_name(study: str, number: int) -> str:
-    return f"{study}-trial-{number}"
+def trial_run_name(study: str, number: int, seed: int | None = None) -> str:
+    """`seed` is None in a one-seed study, whose trial runs keep the plain name."""
+    return f"{study}-trial-{number}" + (f"-seed{seed}" if seed is not None else "")
 
 
 def baseline_run_name(study: str, baseline: str, seed: int) -> str:
@@ -289,21 +291,37 @@ class StudyRunner:
             raise optuna.TrialPruned(reason)
         print(f"[trial {trial.number}] {params}{self._eta()}", flush=True)
         started = time.time()
-        run_name = trial_run_name(self.definition.name, trial.user_attrs.get(ATTR_ORIGIN, trial.number))
+        results = []
+        for index, seed in enumerate(self.definition.seeds):
+            result = self._run_trial_seed(trial, config, tags, seed, first=index == 0)
+            if result.stopped_reason:
+                trial.set_user_attr(ATTR_PRUNED, result.stopped_reason)
+                print(f"[trial {trial.number}] {result.stopped_reason}", flush=True)
+                raise optuna.TrialPruned(result.stopped_reason)
+            results.append(result)
+        per_seed = [[r.validation[o] for o in self.definition.objectives] for r in results]
+        trial.set_user_attr(ATTR_SEED_VALUES, per_seed)
+        values = [sum(column) / len(column) for column in zip(*per_seed, strict=True)]  # the mean over seeds
+        summary = _summary({k: sum(r.validation[k] for r in results) / len(results) for k in results[0].validation})
+        print(f"[trial {trial.number}] {summary} in {time.time() - started:.0f}s", flush=True)
+        return values[0] if len(values) == 1 else values
+
+    def trial_run(self, number: int, seed: int) -> str:
+        return trial_run_name(self.definition.name, number, seed if len(self.definition.seeds) > 1 else None)
+
+    def _run_trial_seed(self, trial: optuna.Trial, config: RunConfig, tags: dict, seed: int, first: bool):
+        """One seed of a trial. Only the first seed reports to the pruner: Optuna keeps one value per step."""
+        run_name = self.trial_run(trial.user_attrs.get(ATTR_ORIGIN, trial.number), seed)
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, seed=seed))
         try:
-            result = self._run(config, run_name, tags, self.pruning_hook(trial))
+            result = self._run(config, run_name, tags, self.pruning_hook(trial) if first else None)
         except Exception as error:
             trial.set_user_attr(ATTR_FAIL_REASON, f"{type(error).__name__}: {error}")
             print(f"[trial {trial.number}] failed: {type(error).__name__}: {error}", flush=True)
             raise
-        trial.set_user_attr(ATTR_RUN_ID, result.run_id)
-        if result.stopped_reason:
-            trial.set_user_attr(ATTR_PRUNED, result.stopped_reason)
-            print(f"[trial {trial.number}] {result.stopped_reason}", flush=True)
-            raise optuna.TrialPruned(result.stopped_reason)
-        print(f"[trial {trial.number}] {_summary(result.validation)} in {time.time() - started:.0f}s", flush=True)
-        values = [result.validation[o] for o in self.definition.objectives]
-        return values[0] if len(values) == 1 else values
+        if first:
+            trial.set_user_attr(ATTR_RUN_ID, result.run_id)
+        return result
 
     def _duplicate_of(self, trial: optuna.Trial, params: dict) -> int | None:
         busy = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
@@ -373,7 +391,7 @@ class StudyRunner:
         for trial in done[: self.definition.evaluate_best]:
             if trial.number in self.study.user_attrs.get(ATTR_EVALUATED, []):
                 continue
-            name = trial_run_name(self.definition.name, trial.user_attrs.get(ATTR_ORIGIN, trial.number))
+            name = self.trial_run(trial.user_attrs.get(ATTR_ORIGIN, trial.number), self.definition.seeds[0])
             run = Run(self.workdir, name, self.definition.name)
             draft = restore_draft(run.load_checkpoint(), self.workspace.target, self.device)
             print(

@@ -107,7 +107,7 @@ def test_unknown_loss_rejected():
 
 def test_precision_knob_is_validated_and_drives_autocast():
     from harness.config import TrainConfig
-    from harness.train import autocast
+    from harness.devices import autocast
 
     with pytest.raises(ValueError, match="invalid knob precision='fp16'"):
         TrainConfig(precision="fp16").validate()

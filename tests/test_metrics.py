@@ -43,7 +43,7 @@ def test_target_outside_top_k_stops_oracle():
     values = finalize(unary_counts(_stats(draft, targets, candidates), torch.tensor([0.0, 1, 1, 1]), 4, 1))
     assert values["oracle_accepted_length"] == 2.0
     assert values["unary_accepted_length"] == 2.0
-    assert values["unary_candidate_recall_at_2"] == pytest.approx(2 / 3)
+    assert values["unary_candidate_recall"] == pytest.approx(2 / 3)
 
 
 def test_masked_slot_ends_the_run_and_all_masked_gives_zero():

@@ -59,7 +59,7 @@ def test_dflash2_matches_speculators(position_weighting):
     assert mine["unary_loss"] == pytest.approx(_ratio(their_metrics, "unary_loss"), rel=1e-4)
     assert mine["selector_loss"] == pytest.approx(_ratio(their_metrics, "selector_loss"), rel=1e-4)
     assert mine["loss"] == pytest.approx(float(their_loss.detach()), rel=1e-4)
-    assert mine["unary_candidate_recall_at_4"] == pytest.approx(
+    assert mine["unary_candidate_recall"] == pytest.approx(
         _ratio(their_metrics, "unary_candidate_recall_at_4"), rel=1e-4
     )
     assert mine["oracle_accepted_length"] == pytest.approx(
@@ -70,7 +70,7 @@ def test_dflash2_matches_speculators(position_weighting):
     )
     # A documented difference: their target mass is measured after injection. Ours keeps the
     # original top-K under the spec name and emits theirs under an explicit `_injected_` name.
-    assert mine["unary_candidate_target_mass_injected_at_4"] == pytest.approx(
+    assert mine["unary_candidate_target_mass_injected"] == pytest.approx(
         _ratio(their_metrics, "unary_candidate_target_mass_at_4"), rel=1e-4
     )
-    assert mine["unary_candidate_target_mass_at_4"] <= mine["unary_candidate_target_mass_injected_at_4"]
+    assert mine["unary_candidate_target_mass"] <= mine["unary_candidate_target_mass_injected"]

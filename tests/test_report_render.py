@@ -1,22 +1,55 @@
-"""Reports rendered from recorded runs (no MLflow needed): the leaderboard and the component ablation."""
+"""Reports rendered from recorded runs (no MLflow needed): verdicts with intervals, noise called noise."""
 
+import zlib
+
+import numpy as np
 import pandas as pd
+import pytest
 
-from algorithms.metrics import ORACLE_ACCEPTED_LENGTH, REALIZED_ACCEPTED_LENGTH, UNARY_ACCEPTED_LENGTH
+from algorithms.metrics import (
+    ACCEPTED_LENGTHS,
+    REALIZED_ACCEPTED_LENGTH,
+    conditional_acc_name,
+    unary_position_acc_name,
+)
+from harness.validation import ANCHORS_COLUMN, DOCUMENT_COLUMN, SUM_SUFFIX, TOTAL_SUFFIX
 from reports.collect import TUNED_KNOBS, StudyRecord
-from reports.render import component_ablation, render
+from reports.estimates import configurations, difference
+from reports.render import NOISE, component_ablation, render, study_configurations
+
+DOCUMENTS = 24
+ANCHORS = np.random.default_rng(99).integers(20, 80, size=DOCUMENTS)
+DIFFICULTY = np.random.default_rng(98).normal(0, 0.25, size=DOCUMENTS)  # shared by every run: pairing cancels it
 
 
-def _run(baseline: str, seed: int, unary: float, realized: float, oracle: float, status: str = "finished") -> dict:
+def _documents(unary: float, realized: float, oracle: float, seed: int) -> pd.DataFrame:
+    """Per-document pairs of one run: every document's level moves with its shared difficulty."""
+    rng = np.random.default_rng(seed)
+    frame = {DOCUMENT_COLUMN: range(DOCUMENTS), ANCHORS_COLUMN: [" ".join(map(str, range(n))) for n in ANCHORS]}
+    for name, level in zip(ACCEPTED_LENGTHS, (unary, realized, oracle), strict=True):
+        per_anchor = level + DIFFICULTY + rng.normal(0, 0.02, size=DOCUMENTS)
+        frame[name + SUM_SUFFIX], frame[name + TOTAL_SUFFIX] = per_anchor * ANCHORS, ANCHORS.astype(float)
+    for slot in (1, 2):
+        frame[unary_position_acc_name(slot) + SUM_SUFFIX] = ANCHORS * 0.5
+        frame[unary_position_acc_name(slot) + TOTAL_SUFFIX] = ANCHORS.astype(float)
+        for path in ("unary", "realized", "oracle"):
+            frame[conditional_acc_name(path, slot) + SUM_SUFFIX] = ANCHORS * 0.4
+            frame[conditional_acc_name(path, slot) + TOTAL_SUFFIX] = ANCHORS.astype(float)
+    return pd.DataFrame(frame)
+
+
+def _run(baseline: str, seed: int, unary: float, realized: float, oracle: float, status: str = "finished", trial=""):
+    role = "trial" if trial != "" else "baseline"
     row = {
-        "run_id": f"{baseline}-{seed}",
-        "run_name": f"study-baseline-{baseline}-seed{seed}",
-        "role": "baseline",
-        "baseline": baseline,
-        "trial": "",
+        "run_id": f"{baseline}-{trial}-{seed}",
+        "run_name": f"study-{role}-{baseline or trial}-seed{seed}",
+        "role": role,
+        "baseline": baseline if role == "baseline" else "",
+        "trial": str(trial),
+        "config": f"{role}:{baseline if role == 'baseline' else trial}",
         "status": status,
         "reason": "",
-        "algorithm": baseline,
+        "algorithm": baseline or "dflash2",
         "seed": str(seed),
         "top_k": 16,
         "parameters": 1000.0,
@@ -24,61 +57,97 @@ def _run(baseline: str, seed: int, unary: float, realized: float, oracle: float,
         "target_hash": "h",
         "dataset": "d",
         "dataset_hash": "dh",
-        UNARY_ACCEPTED_LENGTH: unary,
-        REALIZED_ACCEPTED_LENGTH: realized,
-        ORACLE_ACCEPTED_LENGTH: oracle,
-        "recall_at_k": 0.5,
-        "target_mass_at_k": 0.4,
-        "unary_recall_at_1": 0.3,
-        "teacher_forced_selector_acc": 0.2,
         "draft_step_ms": 1.0,
         "measured_greedy": float("nan"),
         "measured_t1": float("nan"),
-        "selector_gain": realized - unary,
-        "oracle_headroom": oracle - realized,
-        "unary_pos1": 0.5,
-        "realized_pos1": 0.5,
-        "oracle_pos1": 0.7,
+        **dict(zip(ACCEPTED_LENGTHS, (unary, realized, oracle), strict=True)),
     }
     row.update({knob: "" for knob in TUNED_KNOBS})
-    return row
+    return row, _documents(unary, realized, oracle, seed=zlib.crc32(f"{baseline}{trial}{seed}".encode()))
 
 
-def _record(rows) -> StudyRecord:
-    parent = {"run_id": "parent", "params": {}, "metrics": {}, "tags": {}}
-    return StudyRecord("components", parent, pd.DataFrame(rows))
+def _record(runs, importances=None) -> StudyRecord:
+    rows = [row for row, _ in runs]
+    documents = {row["run_id"]: frame for row, frame in runs if row["status"] == "finished"}
+    metrics = {f"importance/{k}": v for k, v in (importances or {}).items()}
+    parent = {"run_id": "parent", "params": {}, "metrics": metrics, "tags": {}}
+    return StudyRecord("components", parent, pd.DataFrame(rows), documents)
 
 
-def test_component_ablation_states_gains_with_intervals_and_calls_noise_noise(tmp_path):
-    rows = []
+def _verdict_line(markdown: str, start: str) -> str:
+    return next(line for line in markdown.split("## Verdicts")[1].splitlines() if line.startswith(start))
+
+
+def test_a_difference_within_noise_declares_no_winner(tmp_path):
+    runs = [_run("dflash", s, 1.3, 1.3, 2.0) for s in range(3)]
+    runs += [_run("dflash2", s, 1.3, 1.3 + 0.03 * (-1) ** s, 2.0) for s in range(3)]  # seed noise only
+    markdown = render(_record(runs), tmp_path)
+    line = _verdict_line(markdown, "- baseline dflash2 − dflash baseline")
+    assert NOISE in line and "[" in line
+    assert "ahead" not in line
+
+
+def test_a_clear_difference_is_stated_with_its_interval(tmp_path):
+    runs = [_run("dflash", s, 1.3, 1.3, 2.0) for s in range(3)]
+    runs += [_run("dflash2", s, 1.35, 1.7 + 0.01 * s, 2.2) for s in range(3)]
+    markdown = render(_record(runs), tmp_path)
+    line = _verdict_line(markdown, "- baseline dflash2 − dflash baseline")
+    assert NOISE not in line
+    dflash2, dflash = study_configurations(_record(runs))
+    effect = difference(dflash2, REALIZED_ACCEPTED_LENGTH, dflash)
+    assert effect.value == pytest.approx(0.41, abs=0.01) and effect.low > 0.3
+    assert effect.text(signed=True) in line
+    assert "paired by document and seed" in line
+
+
+def test_component_ablation_states_gains_with_intervals_and_calls_noise_noise():
+    runs = []
     for seed, base in enumerate((1.30, 1.35, 1.25)):
-        rows += [
+        runs += [
             _run("dflash", seed, base, base, 2.0),
             _run("dflash+conv", seed, base + 0.01 * (-1) ** seed, base + 0.01 * (-1) ** seed, 2.0),  # noise
             _run("dflash+selector", seed, base, base + 0.30 + 0.01 * seed, 2.0),  # a clear gain
             _run("dflash2", seed, base + 0.05, base + 0.40, 2.1),
         ]
-    section = component_ablation(_record(rows))
+    record = _record(runs)
+    section = component_ablation(study_configurations(record))
     assert "## Component ablation" in section
     gains = [line for line in section.splitlines() if " − `dflash`" in line and "| realized |" in line]
     conv = next(line for line in gains if line.startswith("| `dflash+conv`"))
     selector = next(line for line in gains if line.startswith("| `dflash+selector`"))
-    assert "not distinguishable from noise at this budget" in conv
-    assert "| gain |" in selector and "+0.310" in selector
-    markdown = render(_record(rows), tmp_path)
-    assert "| run |" in markdown.split("## Leaderboard")[1]
+    assert NOISE in conv
+    assert "| gain |" in selector and "+0.30" in selector
 
 
-def test_component_ablation_with_one_seed_gives_no_interval_and_is_absent_for_one_variant(tmp_path):
-    rows = [_run("dflash", 0, 1.3, 1.3, 2.0), _run("dflash+selector", 0, 1.3, 1.6, 2.0)]
-    section = component_ablation(_record(rows))
-    assert "one seed: no interval" in section
-    assert component_ablation(_record(rows[:1])) is None
+def test_one_seed_intervals_carry_anchor_noise_and_say_seeds_were_not_measured(tmp_path):
+    runs = [_run("dflash", 0, 1.3, 1.3, 2.0), _run("dflash+selector", 0, 1.3, 1.6, 2.0)]
+    markdown = render(_record(runs), tmp_path)
+    assert "the spread between seeds is not measured" in markdown
+    assert "One seed per configuration" in markdown
+    assert component_ablation(study_configurations(_record(runs[:1]))) is None
+
+
+def test_seeds_report_which_noise_dominates(tmp_path):
+    runs = [_run("dflash", s, 1.3, 1.3 + 0.2 * s, 2.0) for s in range(3)]  # a large spread between seeds
+    markdown = render(_record(runs), tmp_path)
+    row = next(line for line in markdown.split("## Seeds and noise")[1].splitlines() if "baseline dflash" in line)
+    assert row.endswith("| seeds |")
+
+
+def test_importances_need_enough_trials(tmp_path):
+    runs = [_run("", 0, 1.3, 1.3 + 0.01 * t, 2.0, trial=t) for t in range(5)]
+    for index, (row, _) in enumerate(runs):
+        row["conv_kernel_size"] = str(1 + index % 3)
+    markdown = render(_record(runs, importances={"conv_kernel_size": 0.9}), tmp_path)
+    assert "importances are not shown: 5 completed trials" in markdown
+    assert "| conv_kernel_size | 0.9" not in markdown
+    assert (tmp_path / "knob_effects.png").exists()
 
 
 def test_unfinished_runs_are_listed_as_problems_not_ranked(tmp_path):
-    rows = [_run("dflash", 0, 1.3, 1.3, 2.0), _run("dflash2", 0, 1.2, 1.5, 2.0, status="infeasible")]
-    markdown = render(_record(rows), tmp_path)
+    runs = [_run("dflash", 0, 1.3, 1.3, 2.0), _run("dflash2", 0, 1.2, 1.5, 2.0, status="infeasible")]
+    markdown = render(_record(runs), tmp_path)
     problems = markdown.split("## Pruned, infeasible and failed runs")[1]
     assert "infeasible" in problems and "dflash2" in problems
     assert "dflash2" not in markdown.split("## Leaderboard")[1].split("##")[0]
+    assert len(configurations(_record(runs).runs, _record(runs).documents)) == 1

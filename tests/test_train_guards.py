@@ -15,7 +15,7 @@ def _workspace(tmp_path, train_rows):
     embed, head = frozen_tensors()
     target = SimpleNamespace(spec=tiny_target(), embed_weight=embed, head_weight=head, mask_token_id=5)
     data = SimpleNamespace(dataset_id="unsupervised.jsonl", dataset_hash="h")
-    return Workspace(tmp_path, target, data, None, True, train_rows, [packed_row()])
+    return Workspace(tmp_path, target, data, None, True, train_rows, [packed_row()], [packed_row((20,), pad=0)])
 
 
 def test_a_training_set_without_supervised_tokens_is_refused(tmp_path):

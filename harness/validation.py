@@ -1,0 +1,120 @@
+"""Validation on fixed anchors: a small subset during training, every anchor of every document at the end.
+
+Both anchor sets depend only on the validation documents and the block size, never on the algorithm, its
+knobs or the seed, so every run of a study (whose shared knobs are pinned) is measured on the same anchors
+and any two runs can be compared document by document.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+
+from algorithms.blocks import Anchors, PackedRow, eligible_anchor_mask, sample_anchors
+from algorithms.dflash import DFlashDraft
+from algorithms.metrics import (
+    ACCEPTED_LENGTHS,
+    HEADLINE_METRICS,
+    NUM_ANCHORS,
+    NUM_DOCUMENTS,
+    MetricCounts,
+    finalize,
+    pool,
+    se_name,
+)
+from harness.devices import anchors_to, autocast
+from harness.uncertainty import ratio_estimate
+
+DOCUMENT_COLUMN, ANCHORS_COLUMN = "document", "anchor_positions"
+SUM_SUFFIX, TOTAL_SUFFIX = ":sum", ":total"
+
+
+@dataclass
+class Validation:
+    """Finalised metrics (with standard errors on the full set), pooled counts and, on the full set, the
+    per-document (sum, total) pairs every interval and paired comparison is computed from."""
+
+    values: dict[str, float]
+    counts: MetricCounts
+    documents: pd.DataFrame | None = None
+
+
+def subset_anchors(row: PackedRow, index: int, block_size: int, max_anchors: int) -> Anchors:
+    """The intermediate validation's anchors of row `index`: max_anchors drawn with the row index as seed."""
+    generator = torch.Generator().manual_seed(index)
+    return sample_anchors(row.loss_mask, row.document_ids, block_size, max_anchors, generator)
+
+
+def document_anchors(row: PackedRow, block_size: int, cap: int = 0) -> Anchors:
+    """Every eligible anchor of a one-document row; with `cap` > 0, at most `cap` of them, evenly spaced."""
+    eligible = torch.nonzero(eligible_anchor_mask(row.loss_mask, row.document_ids, block_size)).squeeze(-1)
+    if 0 < cap < eligible.numel():
+        eligible = eligible[torch.linspace(0, eligible.numel() - 1, cap).round().long()]
+    return Anchors(eligible, torch.ones_like(eligible, dtype=torch.bool))
+
+
+def _finalize(draft: DFlashDraft, counts: MetricCounts) -> dict[str, float]:
+    values = finalize(counts, draft.shared.block_size, draft.shared.first_draft_slot)
+    values[NUM_ANCHORS] = float(counts[ACCEPTED_LENGTHS[0]][1]) if counts else 0.0
+    return values
+
+
+@torch.no_grad()
+def validate_subset(draft: DFlashDraft, rows: list[PackedRow], device: str, precision: str) -> Validation:
+    """Pooled metrics on the fixed subset of anchors, for progress and pruning during training."""
+    draft.eval()
+    shared, counts = draft.shared, {}
+    for index, row in enumerate(rows):
+        anchors = subset_anchors(row, index, shared.block_size, shared.max_anchors)
+        with autocast(device, precision):
+            pool(counts, draft.training_forward(row.to(device), anchors_to(anchors, device)).counts)
+    draft.train()
+    return Validation(_finalize(draft, counts), counts)
+
+
+@torch.no_grad()
+def validate_documents(
+    draft: DFlashDraft, documents: list[PackedRow], device: str, precision: str, cap: int = 0
+) -> Validation:
+    """Every anchor of every validation document, one forward per document; metrics with standard errors."""
+    draft.eval()
+    counts: MetricCounts = {}
+    records = []
+    for index, row in enumerate(documents):
+        anchors = document_anchors(row, draft.shared.block_size, cap)
+        record = {DOCUMENT_COLUMN: index, ANCHORS_COLUMN: " ".join(map(str, anchors.positions.tolist()))}
+        if anchors.positions.numel():
+            with autocast(device, precision):
+                document_counts = draft.training_forward(row.to(device), anchors_to(anchors, device)).counts
+            pool(counts, document_counts)
+            for name, pair in document_counts.items():
+                record[name + SUM_SUFFIX], record[name + TOTAL_SUFFIX] = float(pair[0]), float(pair[1])
+        records.append(record)
+    draft.train()
+    frame = pd.DataFrame(records).fillna(0.0)
+    values = _finalize(draft, counts)
+    values[NUM_DOCUMENTS] = float(sum(1 for r in records if r[ANCHORS_COLUMN]))
+    for name in HEADLINE_METRICS:
+        se = ratio_estimate(*pairs(frame, name)).se if name + SUM_SUFFIX in frame else float("nan")
+        if math.isfinite(se):  # fewer than two documents with a total: no standard error, nothing logged
+            values[se_name(name)] = se
+    return Validation(values, counts, frame)
+
+
+def pairs(documents: pd.DataFrame, name: str) -> tuple[pd.Series, pd.Series]:
+    """One metric's per-document (sum, total) columns."""
+    return documents[name + SUM_SUFFIX], documents[name + TOTAL_SUFFIX]
+
+
+def pooled_counts(documents: pd.DataFrame) -> MetricCounts:
+    """The pooled (sum, total) pairs a per-document frame adds up to."""
+    names = [column.removesuffix(SUM_SUFFIX) for column in documents if column.endswith(SUM_SUFFIX)]
+    return {
+        name: torch.tensor(
+            [documents[name + SUM_SUFFIX].sum(), documents[name + TOTAL_SUFFIX].sum()], dtype=torch.float64
+        )
+        for name in names
+    }
