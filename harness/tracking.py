@@ -6,14 +6,19 @@ Reports read these names from here, so renaming one is a one-line change.
 
 from __future__ import annotations
 
+import getpass
 import os
+import sys
 from enum import StrEnum
 from pathlib import Path
 
 import mlflow
 
-# Metric prefixes.
-TRAIN_PREFIX, VAL_PREFIX, EVAL_PREFIX = "train/", "val/", "eval/"
+from algorithms.metrics import ACCEPTED_LENGTHS, SE_SUFFIX
+
+# Metric prefixes. The validation accepted lengths get their own, `accept/`, which sorts first among
+# metrics and forms its own chart section in the MLflow UI: accept/unary, accept/realized, accept/oracle.
+TRAIN_PREFIX, VAL_PREFIX, EVAL_PREFIX, ACCEPT_PREFIX = "train/", "val/", "eval/", "accept/"
 BEST_PREFIX, IMPORTANCE_PREFIX = "best/", "importance/"
 # Param prefixes of a study's parent run.
 PINNED_PREFIX, STUDY_PREFIX = "pinned.", "study."
@@ -21,13 +26,23 @@ PINNED_PREFIX, STUDY_PREFIX = "pinned.", "study."
 # Tags.
 TAG_ALGORITHM, TAG_STUDY, TAG_TRIAL = "dflash_lab.algorithm", "dflash_lab.study", "dflash_lab.trial_number"
 TAG_ROLE, TAG_RUN_DIR, TAG_CHECKPOINT = "dflash_lab.role", "dflash_lab.run_dir", "dflash_lab.checkpoint"
-TAG_STATUS, TAG_STATUS_REASON = "dflash_lab.status", "dflash_lab.failure_reason"
+TAG_STATUS, TAG_STATUS_REASON = "dflash_lab.state", "dflash_lab.failure_reason"
 TAG_BASELINE, TAG_BEST_TRIAL, TAG_OBJECTIVES = "dflash_lab.baseline", "dflash_lab.best_trial", "dflash_lab.objectives"
+TAG_BEST_RUN_ID, TAG_TRIALS_USED = "dflash_lab.best_run_id", "dflash_lab.trials_used"
+# MLflow's own tags, behind the UI's Description, Source and Created-by columns and the experiment's page.
+TAG_NOTE, TAG_SOURCE, TAG_USER = "mlflow.note.content", "mlflow.source.name", "mlflow.user"
+TAG_EXPERIMENT_KIND, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
 # Roles (TAG_ROLE values).
 ROLE_RUN, ROLE_TRIAL, ROLE_BASELINE, ROLE_STUDY = "run", "trial", "baseline", "study"
 
-DEFAULT_EXPERIMENT = "dflash-lab"
+EXPERIMENT_PREFIX = "dflash-lab/"  # never collides with MLflow's own `Default`
+DEFAULT_EXPERIMENT = f"{EXPERIMENT_PREFIX}runs"  # single `train` runs
+UI_ADDRESS = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store by default
+
+
+def experiment_name(study: str) -> str:
+    return f"{EXPERIMENT_PREFIX}{study}"
 
 
 class RunStatus(StrEnum):
@@ -74,7 +89,9 @@ def configure(workdir: Path, experiment: str = DEFAULT_EXPERIMENT) -> str:
     local = not is_server(tracking_uri(workdir))
     location = (workdir / "mlartifacts").resolve().as_uri() if local else None
     try:
-        return mlflow.create_experiment(experiment, artifact_location=location)
+        return mlflow.create_experiment(
+            experiment, artifact_location=location, tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND}
+        )
     except mlflow.exceptions.MlflowException:  # another launch created it a moment ago
         existing = mlflow.get_experiment_by_name(experiment)
         if existing is None:
@@ -107,8 +124,41 @@ def ui_command(workdir: Path) -> str:
     return f"mlflow ui --backend-store-uri {tracking_uri(workdir)}"
 
 
+def runs_link(workdir: Path, experiment_id: str) -> str:
+    """The experiment's runs table (not MLflow's GenAI overview), on the server or a local `mlflow ui`."""
+    uri = tracking_uri(workdir)
+    base = uri.rstrip("/") if is_server(uri) else UI_ADDRESS
+    return f"{base}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
+def run_link(workdir: Path, run_id: str) -> str:
+    """One run's page, on the server or a local `mlflow ui`."""
+    experiment_id = client(workdir).get_run(run_id).info.experiment_id
+    return runs_link(workdir, experiment_id).replace("/runs?", f"/runs/{run_id}?")
+
+
+def ui_hint(workdir: Path, experiment: str) -> str:
+    """What a command prints after logging: how to start the UI (local stores) and the link to open."""
+    experiment_id = configure(workdir, experiment)
+    start = "" if is_server(tracking_uri(workdir)) else f"{ui_command(workdir)}, then open "
+    return f"MLflow UI ({experiment}): {start}{runs_link(workdir, experiment_id)}"
+
+
+def metric_key(name: str, prefix: str) -> str:
+    """The logged name: `accept/<path>` (and `accept/<path>_se`) for validation accepted lengths, else prefix+name."""
+    base = name.removesuffix(SE_SUFFIX)
+    if prefix == VAL_PREFIX and base in ACCEPTED_LENGTHS:
+        return f"{ACCEPT_PREFIX}{base.removesuffix('_accepted_length')}{name[len(base) :]}"
+    return f"{prefix}{name}"
+
+
 def prefixed(values: dict[str, float], prefix: str) -> dict[str, float]:
-    return {f"{prefix}{name}": float(value) for name, value in values.items()}
+    return {metric_key(name, prefix): float(value) for name, value in values.items()}
+
+
+def who_and_where() -> dict[str, str]:
+    """The Created-by and Source columns for runs created through the client (start_run fills them itself)."""
+    return {TAG_USER: getpass.getuser(), TAG_SOURCE: " ".join(["dflash-lab", *sys.argv[1:]])}
 
 
 def stringified(params: dict) -> dict[str, object]:

@@ -36,11 +36,12 @@ from harness.data import PreparedData, prepare_documents
 from harness.devices import anchors_to, autocast
 from harness.features import FeatureCache, load_or_build
 from harness.files import atomic_write, remove_stale_temporaries
-from harness.run import CONFIG_FILE, PER_POSITION_FILE, VALIDATION_DOCUMENTS_FILE, Run
+from harness.plots import per_position_figure
+from harness.run import CONFIG_FILE, PER_POSITION_FIGURE, PER_POSITION_FILE, VALIDATION_DOCUMENTS_FILE, Run
 from harness.targets import Target, load_target
 from harness.tracking import RunStatus
 from harness.uncertainty import wilson
-from harness.validation import pooled_counts, validate_documents, validate_subset
+from harness.validation import pooled_counts, summary_line, validate_documents, validate_subset
 
 log = logging.getLogger(__name__)
 
@@ -330,6 +331,9 @@ class TrainingRecipe:
             }
         )
         self.run.log_file(config_path)
+        self.run.log_datasets(
+            workspace.data.dataset_id, workspace.data.dataset_hash, workspace.workdir / "data", ("train", "validation")
+        )
         self.validate(0)
 
     def train(self, on_validation: ValidationHook | None = None) -> TrainResult:
@@ -390,12 +394,13 @@ class TrainingRecipe:
         self.run.log_metrics({DRAFT_STEP_MS: step_ms}, tracking.VAL_PREFIX, self.config.train.max_steps)
         documents = self.run.path(VALIDATION_DOCUMENTS_FILE)  # on disk: a resume after the last save has it too
         counts = pooled_counts(pd.read_csv(documents))
+        rows = per_position_rows(counts, self.shared.block_size, self.shared.first_draft_slot)
         csv = self.run.path(PER_POSITION_FILE)
-        pd.DataFrame(per_position_rows(counts, self.shared.block_size, self.shared.first_draft_slot)).to_csv(
-            csv, index=False
-        )
+        pd.DataFrame(rows).to_csv(csv, index=False)
         self.run.log_file(documents)
         self.run.log_file(csv)
+        self.run.log_figure(per_position_figure(rows, self.run.name), PER_POSITION_FIGURE)
+        self.run.describe(summary_line(result.validation))
         self.run.log_checkpoint()
 
 
@@ -410,6 +415,7 @@ def train(
     parent_run_id: str | None = None,
     on_validation: ValidationHook | None = None,
     experiment: str = tracking.DEFAULT_EXPERIMENT,
+    system_metrics: bool = False,
 ) -> TrainResult:
     """Train one draft in its own run. `on_validation` may stop it early (a pruned trial)."""
     config = with_target_defaults(config, workspace.target)
@@ -419,7 +425,7 @@ def train(
             f"invalid --data={config.data.dataset!r}: the training set has no supervised (assistant) tokens; "
             "allowed conversations with assistant turns"
         )
-    run = Run(workspace.workdir, run_name or default_run_name(config), experiment)
+    run = Run(workspace.workdir, run_name or default_run_name(config), experiment, system_metrics=system_metrics)
     if run.exists() and not resume:
         raise FileExistsError(
             f"{run.directory} already holds a run; pass --resume to continue it or choose another --run-name"

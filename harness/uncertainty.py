@@ -126,4 +126,5 @@ def wilson(successes: float, total: float, confidence: float = CONFIDENCE) -> tu
     p = successes / total
     centre = (p + z * z / (2 * total)) / (1 + z * z / total)
     half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / (1 + z * z / total)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # Rounding may leave a bound a hair on the wrong side of p at p = 0 or 1.
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))

@@ -6,7 +6,9 @@ from pathlib import Path
 
 from harness import tracking
 from reports.collect import collect
-from reports.render import render, render_comparison
+from reports.render import headline, leaderboard_frame, render, render_comparison, study_configurations
+
+LEADERBOARD_TABLE = "report/leaderboard.json"
 
 
 def build_report(study: str, workdir: Path, out_root: Path = Path("reports")) -> Path:
@@ -19,6 +21,9 @@ def build_report(study: str, workdir: Path, out_root: Path = Path("reports")) ->
     path = out_dir / "README.md"
     path.write_text(markdown)
     client.log_artifact(parent, str(path), artifact_path="report")
+    configs = study_configurations(record)
+    client.log_table(parent, leaderboard_frame(configs), LEADERBOARD_TABLE)
+    client.set_tag(parent, tracking.TAG_NOTE, headline(configs))
     return path
 
 

@@ -33,10 +33,11 @@ class StudyRecord:
 
 def collect(study: str, workdir: Path) -> StudyRecord:
     client = tracking.client(workdir)
-    experiment = client.get_experiment_by_name(study)
+    experiment = client.get_experiment_by_name(tracking.experiment_name(study))
     if experiment is None:
         raise LookupError(
-            f"no MLflow experiment named {study!r} in {tracking.tracking_uri(workdir)}; launch the study first"
+            f"no MLflow experiment named {tracking.experiment_name(study)!r} in {tracking.tracking_uri(workdir)}; "
+            "launch the study first"
         )
     runs = client.search_runs([experiment.experiment_id], max_results=50000)
     parents = [r for r in runs if r.data.tags.get(tracking.TAG_ROLE) == tracking.ROLE_STUDY]
@@ -73,7 +74,7 @@ def collect(study: str, workdir: Path) -> StudyRecord:
         for knob in TUNED_KNOBS:
             row[knob] = params.get(f"algo.{knob}", params.get(f"shared.{knob}", ""))
         for name in (*HEADLINE_METRICS, DRAFT_STEP_MS):
-            row[name] = metrics.get(f"{VAL}{name}", float("nan"))
+            row[name] = metrics.get(tracking.metric_key(name, VAL), float("nan"))
         for column, name in MEASURED.items():
             row[column] = metrics.get(f"{EVAL}{name}", float("nan"))
             row[column + "_se"] = metrics.get(f"{EVAL}{name}_se", float("nan"))

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
 from algorithms import ALGORITHMS
 from algorithms.metrics import (
@@ -323,8 +324,8 @@ def knob_effects(configs: list[Configuration], figure: str | None) -> tuple[str,
         if not levels:
             continue
         estimates = [(name, members, level_estimate(members)) for name, members in levels]
-        best = max(estimates, key=lambda e: e[2].value)
-        worst = min(estimates, key=lambda e: e[2].value)
+        ranked = sorted(estimates, key=lambda e: -e[2].value)
+        best, worst = ranked[0], ranked[-1]
         effect = unpaired_difference(best[2], worst[2])
         if effect.excludes_zero:
             resolved.append(knob)
@@ -451,6 +452,34 @@ def verdicts(record: StudyRecord, configs: list[Configuration], resolved_knobs: 
     if all(len(c.seeds) < 2 for c in configs):
         lines.append("- One seed per configuration: training noise is not in these intervals.")
     return "\n".join(lines)
+
+
+def headline(configs: list[Configuration]) -> str:
+    """The study's one-line verdict (the parent run's description): the best run against the reference."""
+    if not configs:
+        return "no finished run yet"
+    best = configs[0]
+    line = f"best: {best.label}, realized {estimate(best, REALIZED_ACCEPTED_LENGTH).text()}"
+    reference = [
+        c for c in configs if c.first["role"] == tracking.ROLE_BASELINE and c.first["baseline"] == REFERENCE_ALGORITHM
+    ]
+    if reference and reference[0] is not best:
+        line += (
+            f"; − {REFERENCE_ALGORITHM} baseline: {verdict(difference(best, REALIZED_ACCEPTED_LENGTH, reference[0]))}"
+        )
+    return line
+
+
+def leaderboard_frame(configs: list[Configuration]) -> pd.DataFrame:
+    """The leaderboard as a table for MLflow (`log_table`): each accepted length with its interval."""
+    rows = []
+    for config in configs:
+        row = {"run": config.label, "run_id": config.first["run_id"], "seeds": len(config.seeds)}
+        for metric in ACCEPTED_LENGTHS:
+            point, short = estimate(config, metric), metric.removesuffix("_accepted_length")
+            row |= {short: point.value, f"{short}_low": point.low, f"{short}_high": point.high}
+        rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def _resolved_gain(config: Configuration) -> bool:

@@ -18,7 +18,16 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {error}") from None
     if args.n_jobs < 1:
         raise SystemExit(f"error: invalid --n-jobs={args.n_jobs}: allowed an integer >= 1")
-    summary = launch(definition, args.file, args.workdir, args.storage, args.device, args.n_jobs, args.worker)
+    summary = launch(
+        definition,
+        args.file,
+        args.workdir,
+        args.storage,
+        args.device,
+        args.n_jobs,
+        args.worker,
+        system_metrics=args.system_metrics,
+    )
     if args.worker:
         return 0
     print(json.dumps(summary, indent=2, default=str))
@@ -27,7 +36,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
         report = build_report(definition.name, args.workdir)
         print(f"Report: {report}")
-    print(f"MLflow UI: {tracking.ui_command(args.workdir)}  (experiment {definition.name!r})")
+    print(tracking.ui_hint(args.workdir, tracking.experiment_name(definition.name)))
     print(f"Regenerate the report any time with: dflash-lab report {definition.name} --workdir {args.workdir}")
     return 0
 
@@ -111,6 +120,9 @@ def add_study_command(commands, add_common) -> None:
         "--worker", action="store_true", help="join an existing study as an extra worker (no baselines, no report)"
     )
     launch.add_argument("--no-report", action="store_true", help="skip the markdown report at the end")
+    launch.add_argument(
+        "--system-metrics", action="store_true", help="also log CPU/GPU/memory series (system/*) with every run"
+    )
     launch.set_defaults(handler=cmd_launch)
 
     status = sub.add_parser("status", help="trials of one study with states, values and reasons")

@@ -203,6 +203,7 @@ class StudyRunner:
     parent_run_id: str
     claims: Claims
     device: str = "cpu"
+    system_metrics: bool = False
 
     @property
     def workdir(self) -> Path:
@@ -218,7 +219,8 @@ class StudyRunner:
             tags={tracking.TAG_STUDY: self.definition.name, **tags},
             parent_run_id=self.parent_run_id,
             on_validation=on_validation,
-            experiment=self.definition.name,
+            experiment=tracking.experiment_name(self.definition.name),
+            system_metrics=self.system_metrics,
         )
 
     def run_baselines(self, wait: bool = False) -> None:
@@ -268,7 +270,7 @@ class StudyRunner:
             realized = metrics[REALIZED_ACCEPTED_LENGTH]
             trial.report(realized, step)
             if len(self.definition.objectives) == 1 and trial.should_prune():
-                return f"pruned by {type(self.study.pruner).__name__} at step {step} (realized {realized:.3f})"
+                return f"at step {step} by the {self.definition.pruner} rule (realized {realized:.3f})"
             return None
 
         return on_validation
@@ -337,7 +339,11 @@ class StudyRunner:
     def _record_infeasible(self, trial: optuna.Trial, config: RunConfig, tags: dict, reason: str) -> None:
         trial.set_user_attr(ATTR_INFEASIBLE, reason)
         print(f"[trial {trial.number}] infeasible {trial.params}: {reason}", flush=True)
-        run = Run(self.workdir, trial_run_name(self.definition.name, trial.number), self.definition.name)
+        run = Run(
+            self.workdir,
+            trial_run_name(self.definition.name, trial.number),
+            tracking.experiment_name(self.definition.name),
+        )
         run_id = run.record_without_training(
             {tracking.TAG_STUDY: self.definition.name, **tags},
             config.flat_params(),
@@ -392,7 +398,7 @@ class StudyRunner:
             if trial.number in self.study.user_attrs.get(ATTR_EVALUATED, []):
                 continue
             name = self.trial_run(trial.user_attrs.get(ATTR_ORIGIN, trial.number), self.definition.seeds[0])
-            run = Run(self.workdir, name, self.definition.name)
+            run = Run(self.workdir, name, tracking.experiment_name(self.definition.name))
             draft = restore_draft(run.load_checkpoint(), self.workspace.target, self.device)
             print(
                 f"[evaluate] trial {trial.number}: speculative decoding on MT-bench and held-out chat prompts",
@@ -424,7 +430,13 @@ class StudyRunner:
                 }
                 objective = self.definition.objectives[0]
                 client.log_metric(self.parent_run_id, f"{tracking.BEST_PREFIX}{objective}", best.value)
-                client.set_tag(self.parent_run_id, tracking.TAG_BEST_TRIAL, str(best.number))
+                client.set_tag(self.parent_run_id, tracking.TAG_BEST_TRIAL, f"trial {best.number}")
+                client.set_tag(self.parent_run_id, tracking.TAG_BEST_RUN_ID, best.user_attrs.get(ATTR_RUN_ID, ""))
+                client.set_tag(
+                    self.parent_run_id,
+                    tracking.TAG_NOTE,
+                    f"best: trial {best.number}, {objective} {best.value:.3f} (seeds {self.definition.seeds})",
+                )
             else:
                 summary["pareto_front"] = [
                     {"trial": t.number, "values": t.values, "params": t.params} for t in self.study.best_trials
@@ -438,6 +450,9 @@ class StudyRunner:
             summary["importances"] = importances
             for knob, value in importances.items():
                 client.log_metric(self.parent_run_id, f"{tracking.IMPORTANCE_PREFIX}{knob}", value)
+        client.set_tag(
+            self.parent_run_id, tracking.TAG_TRIALS_USED, f"{finished_count(self.study)} of {self.definition.n_trials}"
+        )
         path = self.workdir / "studies" / self.definition.name / "summary.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2, default=str))
@@ -451,7 +466,7 @@ def _summary(values: dict[str, float]) -> str:
 
 def ensure_parent_run(definition: StudyDefinition, study: optuna.Study, workdir: Path, claims: Claims) -> str:
     """The study's MLflow parent run: created once by whichever launcher claims it first."""
-    experiment_id = tracking.configure(workdir, definition.name)
+    experiment_id = tracking.configure(workdir, tracking.experiment_name(definition.name))
     deadline = time.time() + claims.grace_s + 60
     while not study.user_attrs.get(ATTR_PARENT_RUN):
         with claims.hold(PARENT_CLAIM) as mine:
@@ -473,10 +488,14 @@ def _create_parent_run(definition: StudyDefinition, workdir: Path, experiment_id
             tracking.TAG_STUDY: definition.name,
             tracking.TAG_ROLE: tracking.ROLE_STUDY,
             tracking.TAG_OBJECTIVES: ",".join(definition.objectives),
+            tracking.TAG_NOTE: definition.description or f"study {definition.name}",
+            tracking.TAG_STATUS: RunStatus.RUNNING.value,
+            **tracking.who_and_where(),
         },
     )
+    pinned = with_budget(definition, definition.base.algorithm)  # the steps every run actually trains
     params = {
-        **{f"{tracking.PINNED_PREFIX}{k}": v for k, v in definition.base.flat_params().items()},
+        **{f"{tracking.PINNED_PREFIX}{k}": v for k, v in pinned.flat_params().items()},
         f"{tracking.PINNED_PREFIX}target": definition.base.target,
         **{
             f"{tracking.STUDY_PREFIX}{k}": v
@@ -501,7 +520,9 @@ def _create_parent_run(definition: StudyDefinition, workdir: Path, experiment_id
     return run.info.run_id
 
 
-def spawn_workers(study_file: Path, count: int, workdir: Path, url: str, device: str) -> list[subprocess.Popen]:
+def spawn_workers(
+    study_file: Path, count: int, workdir: Path, url: str, device: str, system_metrics: bool = False
+) -> list[subprocess.Popen]:
     """Extra worker processes that join the same study through the shared storage."""
     args = [
         sys.executable,
@@ -518,6 +539,7 @@ def spawn_workers(study_file: Path, count: int, workdir: Path, url: str, device:
         "--device",
         device,
         "--no-report",
+        *(["--system-metrics"] if system_metrics else []),
     ]
     return [subprocess.Popen(args, env={**os.environ, "DFLASH_LAB_WORKER": str(i + 1)}) for i in range(count)]
 
@@ -530,6 +552,7 @@ def launch(
     device: str = "cpu",
     n_jobs: int = 1,
     worker: bool = False,
+    system_metrics: bool = False,
 ) -> dict:
     """Create or resume the study, run baselines (launcher only) and trials, and summarise."""
     url = storage_url(workdir, storage)
@@ -540,9 +563,11 @@ def launch(
     if n_jobs > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // n_jobs))
     workspace = prepare_workspace(definition.base, workdir, device)
-    mlflow.set_experiment(definition.name)
-    runner = StudyRunner(definition, workspace, study, parent, claims, device)
-    workers = spawn_workers(study_file, n_jobs - 1, workdir, url, device) if n_jobs > 1 and not worker else []
+    mlflow.set_experiment(tracking.experiment_name(definition.name))
+    runner = StudyRunner(definition, workspace, study, parent, claims, device, system_metrics)
+    workers = (
+        spawn_workers(study_file, n_jobs - 1, workdir, url, device, system_metrics) if n_jobs > 1 and not worker else []
+    )
     if not worker:
         runner.run_baselines()
     runner.optimize()
@@ -553,5 +578,7 @@ def launch(
     runner.run_baselines(wait=True)  # those another launcher held, or a dead launcher left
     runner.evaluate_best()
     summary = runner.finalize()
-    tracking.client(workdir).set_terminated(parent, status=RunStatus.FINISHED.mlflow_status)
+    client = tracking.client(workdir)
+    client.set_tag(parent, tracking.TAG_STATUS, RunStatus.FINISHED.value)
+    client.set_terminated(parent, status=RunStatus.FINISHED.mlflow_status)
     return summary

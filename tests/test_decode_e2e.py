@@ -1,6 +1,7 @@
 """Speculative decoding on the real embedded target with drafts trained by the harness."""
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -89,6 +90,11 @@ def test_evaluate_logs_measured_acceptance_into_the_run(e2e_workspace, e2e_workd
     records = json.loads((e2e_workdir / "runs" / "learns-dflash2" / "eval_records.json").read_text())
     assert {r["set"] for r in records} == {"mtbench", "chat"} and all(
         r["lossless"] for r in records if r["temperature"] == 0
+    )
+    # requests are the independent units of a measured accepted length: its standard error is theirs
+    greedy = [r["mean_acceptance_length"] for r in records if r["temperature"] == 0 and r["cycles"]]
+    assert metrics["eval/measured_accepted_length_greedy_se"] == pytest.approx(
+        statistics.stdev(greedy) / len(greedy) ** 0.5, rel=1e-6
     )
 
 

@@ -1,16 +1,22 @@
 """Studies end to end on the embedded target: launch, MLflow structure, reports, resume and workers."""
 
+import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import mlflow
 import optuna
+import pandas as pd
 import pytest
+from scipy import stats
 
 from harness import tracking
 from reports.render import GENERATED_PREFIX
@@ -62,7 +68,11 @@ def test_launch_records_trials_baselines_and_infeasible_cells(launched, e2e_work
     )
     assert "[trial 2] {'conv_group_size': 16" in done.stdout
     assert "infeasible {'conv_group_size': 7" in done.stdout
-    assert "MLflow UI: mlflow ui --backend-store-uri" in done.stdout
+    assert re.search(
+        r"MLflow UI \(dflash-lab/tiny\): mlflow ui --backend-store-uri sqlite:///\S+, then open "
+        r"http://127\.0\.0\.1:5000/#/experiments/\d+/runs\?workflowType=machine_learning",
+        done.stdout,
+    )
     study = optuna.load_study(study_name="tiny", storage=storage_url(e2e_workdir, None))
     states = [t.state for t in study.trials]
     assert states.count(optuna.trial.TrialState.COMPLETE) == 2 and states.count(optuna.trial.TrialState.PRUNED) == 2
@@ -71,7 +81,7 @@ def test_launch_records_trials_baselines_and_infeasible_cells(launched, e2e_work
             assert "divisor of the hidden size 576" in trial.user_attrs[ATTR_INFEASIBLE]
 
     client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
-    experiment = client.get_experiment_by_name("tiny")
+    experiment = client.get_experiment_by_name("dflash-lab/tiny")
     runs = client.search_runs([experiment.experiment_id])
     parent = [r for r in runs if r.data.tags.get(tracking.TAG_ROLE) == "study"]
     assert len(parent) == 1
@@ -89,14 +99,72 @@ def test_launch_records_trials_baselines_and_infeasible_cells(launched, e2e_work
         assert run.data.tags[tracking.TAG_TRIAL] == str(trial.number) and run.data.tags[tracking.TAG_STUDY] == "tiny"
         if trial.state == optuna.trial.TrialState.COMPLETE:
             for name in (
-                "unary_accepted_length",
-                "realized_accepted_length",
-                "oracle_accepted_length",
-                "unary_candidate_recall_at_16",
-                "unary_candidate_target_mass_at_16",
+                "accept/unary",
+                "accept/realized",
+                "accept/oracle",
+                "accept/unary_se",
+                "accept/realized_se",
+                "accept/oracle_se",
+                "val/unary_candidate_recall",
+                "val/unary_candidate_recall_se",
+                "val/unary_candidate_target_mass",
+                "val/num_anchors",
+                "val/num_documents",
             ):
-                assert f"val/{name}" in run.data.metrics
-            assert run.data.metrics["val/realized_accepted_length"] == pytest.approx(trial.value)
+                assert name in run.data.metrics, name
+            assert run.data.metrics["accept/realized"] == pytest.approx(trial.value)
+            assert not [k for k in run.data.metrics if k.startswith("val/") and "accepted_length" in k]
+            assert not [k for k in run.data.metrics if re.search(r"_at_\d+", k)], "K is a param, not in names"
+            # the final validation used every anchor; the intermediate ones the fixed subset
+            anchors = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "val/num_anchors")}
+            assert anchors[4] > anchors[2] == anchors[0]
+            assert {"validation_documents.csv", "per_position.csv", "per_position.png"} <= {
+                a.path for a in client.list_artifacts(run.info.run_id)
+            }
+
+
+def test_the_mlflow_ui_columns_read_well(launched, e2e_workdir, tmp_path):
+    """What a user sees in the runs table: descriptions, states, datasets, no system metrics, and the parent's
+    figure, table and tags; every artifact under the work directory."""
+    client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
+    experiment = client.get_experiment_by_name("dflash-lab/tiny")
+    assert experiment.tags[tracking.TAG_EXPERIMENT_KIND] == tracking.EXPERIMENT_KIND
+    runs = client.search_runs([experiment.experiment_id])
+    children = {r.info.run_id: r for r in runs if r.data.tags.get(tracking.TAG_ROLE) in ("trial", "baseline")}
+    workdir_uri = (e2e_workdir / "mlartifacts").resolve().as_uri()
+    for run in runs:
+        tags = run.data.tags
+        assert run.info.artifact_uri.startswith(workdir_uri)
+        assert not [k for k in run.data.metrics if k.startswith("system/")], "system metrics are opt-in"
+        assert tags.get(tracking.TAG_USER) and tags.get(tracking.TAG_SOURCE)
+        if run.info.run_id not in children:
+            continue
+        note = tags[tracking.TAG_NOTE]
+        if tags[tracking.TAG_STATUS] == "finished":
+            interval = r"[\d.]+ \[[\d.]+, [\d.]+\]"
+            assert re.fullmatch(rf"unary {interval} \| realized {interval} \| oracle {interval}", note), note
+            datasets = {(d.dataset.name, d.tags[0].value, d.dataset.digest) for d in run.inputs.dataset_inputs}
+            digest = run.data.params["dataset_hash"]
+            assert datasets == {("chitchat/train", "train", digest), ("chitchat/validation", "validation", digest)}
+        else:
+            assert tags[tracking.TAG_STATUS] == "infeasible" and note.startswith("INFEASIBLE: invalid knob")
+    # every run of the study validated on the same documents and anchor positions, DFlash and DFlash2 alike
+    anchors = {}
+    for run_id, run in children.items():
+        if run.data.tags[tracking.TAG_STATUS] == "finished":
+            path = client.download_artifacts(run_id, "validation_documents.csv", str(tmp_path / run_id))
+            anchors[run.data.params["algorithm"], run_id] = pd.read_csv(path)[["document", "anchor_positions"]]
+    assert {algorithm for algorithm, _ in anchors} == {"dflash", "dflash2"}
+    first = next(iter(anchors.values()))
+    assert all(frame.equals(first) for frame in anchors.values()) and len(first) == 8
+    parent = next(r for r in runs if r.data.tags.get(tracking.TAG_ROLE) == "study")
+    tags = parent.data.tags
+    assert tags[tracking.TAG_BEST_RUN_ID] in children and tags[tracking.TAG_TRIALS_USED] == "4 of 4"
+    assert tags[tracking.TAG_STATUS] == "finished" and tags[tracking.TAG_NOTE].startswith("best: ")
+    assert parent.data.params["pinned.train.max_steps"] == "4", "the steps each run actually trained"
+    assert {"report/accepted_lengths.png", "report/leaderboard.json"} <= {
+        a.path for a in client.list_artifacts(parent.info.run_id, "report")
+    }
 
 
 def test_report_numbers_equal_mlflow_and_regenerate_identically(launched, e2e_workdir):
@@ -104,11 +172,11 @@ def test_report_numbers_equal_mlflow_and_regenerate_identically(launched, e2e_wo
     report = cwd / "reports" / "tiny" / "README.md"
     markdown = report.read_text()
     client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
-    runs = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
-    leaderboard = markdown.split("## Leaderboard")[1].split("## Knob effects")[0]
+    runs = client.search_runs([client.get_experiment_by_name("dflash-lab/tiny").experiment_id])
+    leaderboard = markdown.split("## Leaderboard")[1].split("\n## ")[0]
     header = next(line for line in leaderboard.splitlines() if line.startswith("| run |"))
     columns = [c.strip() for c in header.strip("|").split("|")]
-    rows = [line for line in leaderboard.splitlines() if line.startswith("| **baseline") or line.startswith("| trial")]
+    rows = [line for line in leaderboard.splitlines() if line.startswith(("| baseline", "| trial"))]
     assert len(rows) == 4
     evaluated = 0
     for run in runs:
@@ -116,29 +184,26 @@ def test_report_numbers_equal_mlflow_and_regenerate_identically(launched, e2e_wo
             continue
         role = run.data.tags[tracking.TAG_ROLE]
         marker = (
-            f"| **baseline {run.data.tags['dflash_lab.baseline']}**"
+            f"| baseline {run.data.tags['dflash_lab.baseline']} |"
             if role == "baseline"
-            else f"| trial {run.data.tags[tracking.TAG_TRIAL]} "
+            else f"| trial {run.data.tags[tracking.TAG_TRIAL]} |"
         )
         row = next(r for r in rows if r.startswith(marker))
         cell = dict(zip(columns, (c.strip() for c in row.strip("|").split("|")), strict=True))
         metrics = run.data.metrics
-        unary, realized, oracle = (metrics[f"val/{n}_accepted_length"] for n in ("unary", "realized", "oracle"))
-        assert [cell["unary"], cell["realized"], cell["oracle"], cell["selector gain"], cell["oracle headroom"]] == [
-            f"{unary:.4f}",
-            f"{realized:.4f}",
-            f"{oracle:.4f}",
-            f"{realized - unary:.4f}",
-            f"{oracle - realized:.4f}",
-        ]
-        assert cell["recall@K"] == f"{metrics['val/unary_candidate_recall_at_16']:.4f}"
-        assert cell["target mass@K"] == f"{metrics['val/unary_candidate_target_mass_at_16']:.4f}"
-        assert cell["draft step ms"] == f"{metrics['val/draft_step_ms']:.4f}"
+        documents = int(metrics["val/num_documents"])
+        for path in ("unary", "realized", "oracle"):  # the value as MLflow holds it, and its t interval
+            value, se = metrics[f"accept/{path}"], metrics[f"accept/{path}_se"]
+            half = stats.t.ppf(0.975, documents - 1) * se
+            _assert_interval(cell[path], value, value - half, value + half)
+        _assert_interval(cell["recall@K"], metrics["val/unary_candidate_recall"])
+        assert cell["draft step ms"] == f"{metrics['val/draft_step_ms']:.2f}"
         assert cell["params"] == f"{int(run.data.params['draft_parameters']):,}"
         if "eval/measured_accepted_length_greedy" in metrics:  # the study's opt-in evaluation of its best trial
             evaluated += 1
-            assert cell["measured T=0"] == f"{metrics['eval/measured_accepted_length_greedy']:.4f}"
+            _assert_interval(cell["measured T=0"], metrics["eval/measured_accepted_length_greedy"])
     assert evaluated == 1
+    assert "95% interval" in markdown and "Validation:** " in markdown
     assert re.search(r"\| trial \d+ \| infeasible \| invalid knob conv_group_size=7", markdown)
 
     # every image link resolves to a real, non-empty PNG
@@ -166,6 +231,14 @@ def test_report_numbers_equal_mlflow_and_regenerate_identically(launched, e2e_wo
     assert {"report/README.md", "report/per_position.png"} <= {
         a.path for a in client.list_artifacts(parent.info.run_id, "report")
     }
+
+
+def _assert_interval(cell: str, value: float, low: float | None = None, high: float | None = None) -> None:
+    """A report cell `v [lo, hi]` (or `v`) shows these numbers, rounded to the digits it prints."""
+    numbers = [float(n) for n in re.findall(r"[-+]?\d+\.\d+", cell)]
+    digits = len(cell.split()[0].split(".")[1])
+    expected = [value] + ([low, high] if low is not None else numbers[1:])
+    assert numbers == pytest.approx(expected, abs=0.51 * 10**-digits), (cell, expected)
 
 
 def test_study_status_and_list(launched, e2e_workdir):
@@ -265,7 +338,7 @@ def test_killed_study_resumes_and_finishes_its_budget(e2e_workspace, e2e_workdir
     )
     client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
     runs = client.search_runs(
-        [client.get_experiment_by_name("resumable").experiment_id], "tags.`dflash_lab.role` = 'trial'"
+        [client.get_experiment_by_name("dflash-lab/resumable").experiment_id], "tags.`dflash_lab.role` = 'trial'"
     )
     assert sorted(r.info.run_name for r in runs) == sorted(
         {f"resumable-trial-{t.user_attrs.get('origin_trial', t.number)}" for t in complete}
@@ -325,7 +398,9 @@ def test_workers_share_a_postgresql_study(e2e_workspace, e2e_workdir, tmp_path):
         listing.returncode == 0 and f"{name}: " in listing.stdout
     )  # a worker racing for the last grid cell adds a pruned duplicate
     client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
-    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id], "tags.`dflash_lab.role` = 'trial'")
+    runs = client.search_runs(
+        [client.get_experiment_by_name(f"dflash-lab/{name}").experiment_id], "tags.`dflash_lab.role` = 'trial'"
+    )
     assert len(runs) == 4 and len({r.info.run_name for r in runs}) == 4, (
         "every finished trial has exactly one MLflow child run"
     )
@@ -351,11 +426,11 @@ def test_a_trial_logs_to_an_mlflow_tracking_server(e2e_workspace, e2e_workdir, t
     done = _launch(study_file, tmp_path / "work-server", cwd=tmp_path, env={"MLFLOW_TRACKING_URI": url})
     assert done.returncode == 0, done.stderr[-3000:]
     client = mlflow.MlflowClient(url)
-    experiment = client.get_experiment_by_name(name)
+    experiment = client.get_experiment_by_name(f"dflash-lab/{name}")
     runs = client.search_runs([experiment.experiment_id])
     trials = [r for r in runs if r.data.tags.get(tracking.TAG_ROLE) == "trial"]
     assert len(trials) == 1 and trials[0].info.status == "FINISHED"
-    assert "val/realized_accepted_length" in trials[0].data.metrics
+    assert "accept/realized" in trials[0].data.metrics
     parent = next(r for r in runs if r.data.tags.get(tracking.TAG_ROLE) == "study")
     assert "study.yaml" in {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert "report/README.md" in {a.path for a in client.list_artifacts(parent.info.run_id, "report")}
@@ -412,16 +487,103 @@ def test_two_launches_at_the_same_moment_run_each_baseline_and_config_once(e2e_w
     errors = [launch.communicate(timeout=900)[1] for launch in launches]
     assert [launch.returncode for launch in launches] == [0, 0], [e[-2000:] for e in errors]
     client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
-    runs = client.search_runs([client.get_experiment_by_name("together").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name("dflash-lab/together").experiment_id])
     roles = [r.data.tags.get(tracking.TAG_ROLE) for r in runs]
     assert roles.count("study") == 1, "one parent run"
     baselines = sorted(r.info.run_name for r in runs if r.data.tags.get(tracking.TAG_ROLE) == "baseline")
     assert baselines == ["together-baseline-dflash+selector-seed0", "together-baseline-dflash-seed0"]
     for run in runs:
         if run.data.tags.get(tracking.TAG_ROLE) == "baseline":
-            steps = [m.step for m in client.get_metric_history(run.info.run_id, "val/realized_accepted_length")]
+            steps = [m.step for m in client.get_metric_history(run.info.run_id, "accept/realized")]
             assert len(steps) == len(set(steps)), f"{run.info.run_name} was trained twice: steps {steps}"
     study = optuna.load_study(study_name="together", storage=storage_url(e2e_workdir, None))
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     # each configuration trained once; a racing launcher's repeat of a cell is pruned as a duplicate
     assert len({tuple(sorted(t.params.items())) for t in complete}) == len(complete) >= 1
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _rest(base: str, endpoint: str, payload: dict | None = None) -> dict:
+    request = urllib.request.Request(
+        f"{base}/api/2.0/mlflow/{endpoint}",
+        data=json.dumps(payload).encode() if payload is not None else None,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture
+def ui_server(launched, e2e_workdir):
+    """`mlflow server` on a free local port over the finished tiny study, as a user would open it."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+        + ["--backend-store-uri", tracking.tracking_uri(e2e_workdir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2).close()
+                break
+            except OSError:
+                assert time.time() < deadline and server.poll() is None, "mlflow server did not start"
+                time.sleep(0.5)
+        yield base
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_the_runs_table_through_the_mlflow_rest_api(launched, ui_server):
+    """The names, descriptions and headline metrics the UI's runs table shows, fetched from a real server."""
+    done, _ = launched
+    experiment = _rest(ui_server, "experiments/get-by-name?experiment_name=dflash-lab/tiny")["experiment"]
+    path = f"/#/experiments/{experiment['experiment_id']}/runs?workflowType=machine_learning"
+    assert f"{tracking.UI_ADDRESS}{path}" in done.stdout  # what `mlflow ui` serves by default
+    with urllib.request.urlopen(f"{ui_server}/", timeout=30) as page:  # the page the link's fragment routes in
+        assert page.status == 200 and b"<html" in page.read().lower()
+    runs = _rest(ui_server, "runs/search", {"experiment_ids": [experiment["experiment_id"]], "max_results": 100})[
+        "runs"
+    ]
+    seen = {}
+    for run in runs:
+        tags = {t["key"]: t["value"] for t in run["data"].get("tags", [])}
+        metrics = {m["key"]: m["value"] for m in run["data"].get("metrics", [])}
+        seen[run["info"]["run_name"]] = (tags.get(tracking.TAG_NOTE, ""), tags.get(tracking.TAG_STATUS), metrics)
+    assert {"tiny-trial-2", "tiny-trial-3", "tiny-baseline-dflash-seed0", "study-tiny"} <= set(seen)
+    note, state, metrics = seen["tiny-trial-2"]
+    assert state == "finished" and note.startswith("unary ") and " | realized " in note
+    assert {"accept/unary", "accept/realized", "accept/oracle", "accept/realized_se"} <= set(metrics)
+    assert note.split(" | ")[1].split()[1] == f"{metrics['accept/realized']:.{_decimals(note)}f}"
+    assert seen["tiny-trial-0"][1] == "infeasible" and seen["tiny-trial-0"][0].startswith("INFEASIBLE: ")
+    assert seen["study-tiny"][0].startswith("best: ")
+
+
+def _decimals(note: str) -> int:
+    return len(note.split(" | ")[1].split()[1].split(".")[1])
+
+
+@pytest.mark.skipif(
+    not (shutil.which("chromium") or shutil.which("chromium-browser")), reason="no Chromium installed (optional)"
+)
+def test_the_printed_link_opens_the_runs_table_in_a_browser(ui_server, tmp_path):
+    experiment = _rest(ui_server, "experiments/get-by-name?experiment_name=dflash-lab/tiny")["experiment"]
+    link = f"{ui_server}/#/experiments/{experiment['experiment_id']}/runs?workflowType=machine_learning"
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    dom = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=20000", "--dump-dom", link],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert "study-tiny" in dom
