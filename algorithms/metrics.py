@@ -59,18 +59,15 @@ MetricCounts = dict[str, torch.Tensor]  # name -> tensor([sum, total])
 
 
 def _pair(numerator: torch.Tensor, denominator: torch.Tensor | float) -> torch.Tensor:
-    return (
-        torch.stack(
-            [torch.as_tensor(numerator, dtype=torch.float64), torch.as_tensor(denominator, dtype=torch.float64)]
-        )
-        .detach()
-        .cpu()
-    )
+    """[sum, total] in float64, on the device of the numerator: pooling never waits for the device."""
+    numerator = torch.as_tensor(numerator).detach()
+    denominator = torch.as_tensor(denominator, device=numerator.device)
+    return torch.stack([numerator.to(torch.float64), denominator.to(torch.float64)])
 
 
 def scalar_counts(values: dict[str, torch.Tensor]) -> MetricCounts:
     """Per-batch scalars (losses): sum = value, total = 1, so pooling averages batches."""
-    return {name: _pair(value.detach().double().cpu(), 1.0) for name, value in values.items()}
+    return {name: _pair(value, 1.0) for name, value in values.items()}
 
 
 def path_counts(path: str, correct: torch.Tensor, valid: torch.Tensor, first_slot: int) -> MetricCounts:
@@ -168,7 +165,9 @@ def pool(into: MetricCounts, counts: MetricCounts) -> MetricCounts:
 
 def finalize(counts: MetricCounts, block_size: int | None = None, first_slot: int = 1) -> dict[str, float]:
     """Divide once: sum / total, 0 where the total is 0. Adds the no-anchor marginal expected accepted length."""
-    values = {name: (float(pair[0] / pair[1]) if pair[1] > 0 else 0.0) for name, pair in counts.items()}
+    # One transfer for every pair, wherever the counts were pooled.
+    host = torch.stack([pair.to(torch.float64) for pair in counts.values()]).cpu().tolist() if counts else []
+    values = {name: (part / total if total > 0 else 0.0) for name, (part, total) in zip(counts, host, strict=True)}
     if block_size is not None and unary_position_acc_name(first_slot) in values:
         product, marginal = 1.0, 0.0
         for slot in range(first_slot, block_size):

@@ -232,8 +232,9 @@ class DraftBackbone(nn.Module):
         return logits
 
     def output_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Transformed logits of final-normed states through the frozen head, in fp32."""
-        return self.logit_transform(F.linear(hidden.float(), self.head_weight))
+        """Transformed logits of final-normed states through the frozen head, in fp32 (or the head's wider dtype)."""
+        dtype = torch.promote_types(self.head_weight.dtype, torch.float32)
+        return self.logit_transform(F.linear(hidden.to(dtype), self.head_weight.to(dtype)))
 
     def forward(
         self,

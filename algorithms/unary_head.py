@@ -95,6 +95,9 @@ class UnaryHead:
     stats: RowStatistics  # candidate_logits and target_token_logits are differentiable
 
 
+COMPACTING_DEVICE_TYPES = ("cpu",)
+
+
 def unary_head(
     hidden: torch.Tensor,  # [M, H] final-normed draft states
     target_hidden: torch.Tensor,  # [T, H] target final hidden states of the row
@@ -121,11 +124,18 @@ def unary_head(
     closed_form = all(name in losses.CLOSED_FORM_LOSSES for name in objective.loss_weights)
     use_autograd = needs_grad and not closed_form
     grad_mode = lambda: torch.enable_grad() if use_autograd else torch.no_grad()  # noqa: E731
+    # Compacting a chunk to its supervised rows needs their count on the host. That is free on a CPU and
+    # saves head GEMMs there; on an accelerator it would stall the queue once per chunk, so every row of
+    # the chunk goes through the head (fixed shapes) and the mask zeroes the unsupervised ones.
+    compact = device_type in COMPACTING_DEVICE_TYPES
     for start in range(0, rows, chunk_rows):
         chunk_mask = mask[start : start + chunk_rows]
-        supervised = chunk_mask.nonzero().squeeze(-1)
-        if supervised.numel() == 0:
-            continue
+        if compact:
+            supervised = chunk_mask.nonzero().squeeze(-1)
+            if supervised.numel() == 0:
+                continue
+        else:
+            supervised = torch.arange(chunk_mask.shape[0], device=chunk_mask.device)
         rows_out = start + supervised
         with grad_mode():
             draft_hidden = hidden[rows_out].detach().requires_grad_(use_autograd)

@@ -2,7 +2,7 @@
 and, at inference on the embedded target, the share of a decoding cycle spent in the selector walk and
 the convolutions.
 
-    python -m benchmarks.overhead [--size medium] [--precisions fp32 bf16] [--workdir work]
+    python -m benchmarks.overhead [--size medium] [--precisions fp32 bf16] [--workdir work] [--device cuda]
 
 Prints one JSON line per measurement and writes benchmarks/OVERHEAD.md.
 """
@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.train_step import SIZES, build, steppers, timed
+from harness.devices import synchronize
 
 
-def training_overhead(size: str, steps: int, precision: str) -> dict:
+def training_overhead(size: str, steps: int, precision: str, device: str = "cpu") -> dict:
     """DFlash2 / DFlash step time, for ours and for speculators, interleaved on the same batch shapes."""
     pairs = {
-        algorithm: steppers(*build(SIZES[size], algorithm, "cpu"), precision) for algorithm in ("dflash", "dflash2")
+        algorithm: steppers(*build(SIZES[size], algorithm, device), precision) for algorithm in ("dflash", "dflash2")
     }
     for algorithm in pairs:
         for step in pairs[algorithm]:
@@ -34,11 +35,12 @@ def training_overhead(size: str, steps: int, precision: str) -> dict:
     times = {(a, who): [] for a in pairs for who in ("ours", "theirs")}
     for _ in range(steps):
         for algorithm, (ours_step, theirs_step) in pairs.items():
-            times[(algorithm, "ours")].append(timed(ours_step, "cpu"))
-            times[(algorithm, "theirs")].append(timed(theirs_step, "cpu"))
+            times[(algorithm, "ours")].append(timed(ours_step, device))
+            times[(algorithm, "theirs")].append(timed(theirs_step, device))
     median = {key: statistics.median(values) for key, values in times.items()}
     return {
         "size": size,
+        "device": device,
         "precision": precision,
         "ours_dflash2_over_dflash": median[("dflash2", "ours")] / median[("dflash", "ours")],
         "theirs_dflash2_over_dflash": median[("dflash2", "theirs")] / median[("dflash", "theirs")],
@@ -46,36 +48,38 @@ def training_overhead(size: str, steps: int, precision: str) -> dict:
     }
 
 
-def inference_shares(workdir: Path, cycles: int) -> dict:
+def inference_shares(workdir: Path, cycles: int, device: str = "cpu") -> dict:
     """Time of the selector walk and of the convs inside one draft step, relative to a whole decoding cycle."""
     from harness.features import target_features
     from harness.presets import preset_run
     from harness.targets import load_target
     from harness.train import build_for_target, with_target_defaults
 
-    target = load_target("smollm2-135m", workdir)
+    target = load_target("smollm2-135m", workdir, device=device)
     config = with_target_defaults(preset_run("small", "dflash2", "smollm2-135m"), target)
-    draft = build_for_target(config, target).eval()
+    draft = build_for_target(config, target).to(device).eval()
     with torch.no_grad():
         for name, param in draft.named_parameters():  # trained-like, non-identity convs and selector
             if "conv" in name or "candidate_selector" in name:
                 param.normal_(std=0.02)
     prompt = target.tokenizer("Tell me about the history of the bicycle in a few sentences.", return_tensors="pt")[
         "input_ids"
-    ]
+    ].to(device)
     with torch.no_grad():
         out = target.model(input_ids=prompt, output_hidden_states=True)
     features = target_features(out.hidden_states, draft.config.target_layer_ids)[0]
     length = features.shape[0]
-    positions = torch.arange(length)
-    block = torch.cat([prompt[0, -1:], torch.randint(0, 1000, (draft.block_size - 1,))])[None]
+    positions = torch.arange(length, device=device)
+    block = torch.cat([prompt[0, -1:], torch.randint(0, 1000, (draft.block_size - 1,), device=device)])[None]
 
     conv_seconds = [0.0]
 
     def timed_conv(module, inputs, output):  # forward hooks bracket each conv call
+        synchronize(device)
         conv_seconds[0] += time.perf_counter() - module._started
 
     def start_conv(module, inputs):
+        synchronize(device)
         module._started = time.perf_counter()
 
     hooks = []
@@ -86,15 +90,20 @@ def inference_shares(workdir: Path, cycles: int) -> dict:
     with torch.no_grad():
         for _ in range(cycles):
             conv_seconds[0] = 0.0
+            synchronize(device)
             started = time.perf_counter()
             hidden = draft.single_block_hidden(features, positions, int(prompt[0, -1]), length, draft.block_size)
+            synchronize(device)
             backbone = time.perf_counter()
             draft.output_logits(hidden)[1:].topk(draft.candidate_top_k, dim=-1)
+            synchronize(device)
             head = time.perf_counter()
             # head + top-K + walk, with the head over the whole block exactly as `propose` computes it
             draft.propose_from_hidden(hidden[1:], draft.output_logits(hidden)[1:], int(prompt[0, -1]), 0.0, None)
+            synchronize(device)
             walked = time.perf_counter()
             target.model(input_ids=torch.cat([prompt, block], 1))
+            synchronize(device)
             verified = time.perf_counter()
             draft_s.append((walked - started - (head - backbone), conv_seconds[0]))
             walk_s.append(max(0.0, (walked - head) - (head - backbone)))
@@ -115,12 +124,13 @@ def inference_shares(workdir: Path, cycles: int) -> dict:
 TRAINING_GOAL, INFERENCE_GOAL = 1.08, 0.05
 
 
-def write_results(training: list[dict], inference: dict, path: Path) -> None:
+def write_results(training: list[dict], inference: dict, path: Path, device: str = "cpu") -> None:
+    where = torch.cuda.get_device_name(device) if device.startswith("cuda") else "CPU only"
     lines = [
         "# DFlash2 overhead over DFlash",
         "",
         f"- Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; machine: {platform.machine()}, "
-        f"{torch.get_num_threads()} threads, CPU only; torch {torch.__version__}.",
+        f"{torch.get_num_threads()} threads, {where}; torch {torch.__version__}.",
         "- Training: median step time (forward + backward + clipping), identical shared knobs, interleaved, "
         "same precision for both implementations.",
         "",
@@ -153,7 +163,8 @@ def write_results(training: list[dict], inference: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", default="medium", choices=[s for s, v in SIZES.items() if not v.cuda_only])
+    parser.add_argument("--size", default="medium", choices=list(SIZES), help="qwen3-8b needs CUDA")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--cycles", type=int, default=20)
@@ -162,13 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "OVERHEAD.md")
     args = parser.parse_args(argv)
+    if SIZES[args.size].cuda_only and not args.device.startswith("cuda"):
+        parser.error(f"invalid --size={args.size!r} with --device={args.device!r}: allowed with a cuda device only")
     training = []
     for precision in args.precisions:
-        training.append(training_overhead(args.size, args.steps, precision))
+        training.append(training_overhead(args.size, args.steps, precision, args.device))
         print(json.dumps(training[-1]), flush=True)
-    inference = inference_shares(args.workdir, args.cycles)
+    inference = inference_shares(args.workdir, args.cycles, args.device)
     print(json.dumps(inference), flush=True)
-    write_results(training, inference, args.out)
+    write_results(training, inference, args.out, args.device)
     return 0
 
 

@@ -32,7 +32,8 @@ from algorithms import AlgorithmConfig, TargetSpec, build_draft
 from algorithms.blocks import PackedRow, block_attention_mask, sample_anchors
 from algorithms.modeling import RMSNorm
 from benchmarks.peers import fixed_anchors, speculators_draft, speculators_inputs, speculators_train_kwargs
-from harness.devices import autocast  # the training loop's precision, applied to both sides
+from harness import devices
+from harness.devices import autocast, synchronize  # the training loop's precision, applied to both sides
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def build(size: Size, algorithm: str, device: str, seed: int = 0, theirs_config:
     theirs = speculators_draft(ours.cpu(), theirs_config.attention).to(device)
     ours.to(device)
 
-    generator = torch.Generator().manual_seed(seed)
+    generator = devices.generator("cpu", seed)
     length, docs = size.tokens, 4
     document_ids = torch.arange(length) * docs // length
     starts = torch.searchsorted(document_ids, torch.arange(docs))
@@ -181,11 +182,6 @@ def steppers(
         return float(loss.detach())
 
     return ours_step, theirs_step
-
-
-def synchronize(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def timed(step, device: str) -> float:

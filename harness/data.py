@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from algorithms.blocks import PackedRow
 from algorithms.knobs import check_section, knob
+from harness import devices
 from harness.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -173,7 +174,7 @@ def regenerate(target, conversations: list[list[dict]], config: DataConfig) -> l
     device = next(model.parameters()).device
     dialogues: list[list[dict]] = [[] for _ in conversations]
     prompts = [user_prompts(c, config.max_user_turns) for c in conversations]
-    generator = torch.Generator(device=device).manual_seed(config.seed)
+    generator = devices.generator(device, config.seed)
     total = sum(len(p) for p in prompts)
     with tqdm(total=total, desc="regenerating responses", unit="turn") as bar:
         for turn in range(config.max_user_turns):

@@ -1,21 +1,47 @@
-"""Where tensors live and how they are computed: moving inputs to the model's device, autocast."""
+"""Where tensors live and how they are computed: the one place inputs reach a model's device, random
+generators are made, and autocast is chosen. CPU and CUDA run the same code through these helpers."""
 
 from __future__ import annotations
 
 import torch
 
-from algorithms.blocks import Anchors
+from algorithms.blocks import Anchors, PackedRow
+
+
+def generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """A seeded generator on `device`: sampling ops need theirs on the device of the tensors they sample."""
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
+def model_device(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
 
 
 def anchors_to(anchors: Anchors, device: torch.device | str) -> Anchors:
-    return Anchors(anchors.positions.to(device), anchors.valid.to(device))
+    return Anchors(anchors.positions.to(device, non_blocking=True), anchors.valid.to(device, non_blocking=True))
 
 
-def autocast(device: str, precision: str):
+def to_device(row: PackedRow, anchors: Anchors, device: torch.device | str) -> tuple[PackedRow, Anchors]:
+    """A row and its anchors, built on the host, on the model's device (one transfer per step)."""
+    return row.to(device), anchors_to(anchors, device)
+
+
+def ids_on(ids: list[int], device: torch.device | str) -> torch.Tensor:
+    """Token ids as a [1, T] batch on `device`."""
+    return torch.tensor([ids], device=device)
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the device's queue: what a wall-clock timing on CUDA needs (a no-op on the CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def autocast(device: str | torch.device, precision: str):
     """bf16 autocast with fp32 master weights, or fp32; `auto` is bf16 on CUDA and fp32 on CPU.
 
     bf16 on CPU is about 2x faster where the CPU has native bf16 (AVX512-BF16/AMX), much slower elsewhere.
     """
-    device_type = "cuda" if device.startswith("cuda") else "cpu"
+    device_type = torch.device(device).type
     bf16 = precision == "bf16" or (precision == "auto" and device_type == "cuda")
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)

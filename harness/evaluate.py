@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from algorithms.blocks import Anchors, sample_anchors
 from algorithms.dflash import DFlashDraft
 from algorithms.metrics import MetricCounts, finalize, pool, se_name
+from harness import devices
 from harness.data import Document, pack_row
 from harness.decode import DecodeStats, speculative_generate, target_greedy
 from harness.features import target_features
@@ -105,25 +106,26 @@ def offline_realized_on_continuations(
     accepted length, so it weights positions the way decoding does; the all-anchor value weights
     every position once (easy stretches count more often than decoding visits them).
     """
-    shared = draft.shared
+    shared, device = draft.shared, devices.model_device(target.model)
     every_anchor: MetricCounts = {}
     replay_lengths: list[float] = []
     for prompt, continuation in zip(prompts, continuations, strict=True):
         ids = prompt + continuation
         row = pack_row([Document(ids, [0] * len(prompt) + [1] * len(continuation))], len(ids))
-        out = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        anchors = sample_anchors(
+            row.loss_mask, row.document_ids, shared.block_size, len(ids), devices.generator("cpu", 0)
+        )
+        out = target.model(input_ids=devices.ids_on(ids, device), output_hidden_states=True)
         row.features = target_features(out.hidden_states, draft.config.target_layer_ids)[0]
         row.target_hidden = out.hidden_states[-1][0]
-        anchors = sample_anchors(
-            row.loss_mask, row.document_ids, shared.block_size, len(ids), torch.Generator().manual_seed(0)
-        )
+        row, on_device = devices.to_device(row, anchors, device)
         if anchors.valid.any():
-            pool(every_anchor, draft.training_forward(row, anchors).counts)
+            pool(every_anchor, draft.training_forward(row, on_device).counts)
         # the first anchor is the prompt's last token position + 1 (the first generated token)
         eligible = set(anchors.positions[anchors.valid].tolist())
         position = len(prompt)
         while position in eligible:
-            single = Anchors(torch.tensor([position]), torch.tensor([True]))
+            single = devices.anchors_to(Anchors(torch.tensor([position]), torch.tensor([True])), device)
             tau = finalize(draft.training_forward(row, single).counts)["realized_accepted_length"]
             replay_lengths.append(tau)
             position += int(tau)
@@ -144,7 +146,7 @@ def evaluate(
     metrics: dict[str, float] = {}
     records: list[dict] = []
     all_runs: dict[str, list[DecodeStats]] = {}
-    generator = torch.Generator().manual_seed(config.seed)
+    generator = devices.generator(devices.model_device(target.model), config.seed)  # T > 0 samples there
     for name, prompts in prompt_sets.items():
         references = target_greedy(target.model, target.tokenizer, prompts, config.max_new_tokens, stop)
         for temperature in config.temperatures:

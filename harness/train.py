@@ -33,7 +33,7 @@ from algorithms.metrics import (
 from harness import tracking
 from harness.config import RunConfig
 from harness.data import PreparedData, prepare_documents
-from harness.devices import anchors_to, autocast
+from harness.devices import autocast, generator, synchronize, to_device
 from harness.features import FeatureCache, load_or_build
 from harness.files import atomic_write, remove_stale_temporaries
 from harness.plots import per_position_figure
@@ -126,8 +126,10 @@ def draft_step_ms(draft: DFlashDraft, rows: list[PackedRow], device: str, repeat
     context = int((row.document_ids == row.document_ids[0]).sum()) - 1
     timings = []
     for _ in range(repeats + 2):
+        synchronize(device)
         started = time.perf_counter()
         draft.propose(row.features[:context], row.position_ids[:context], int(row.input_ids[context]), context)
+        synchronize(device)
         timings.append((time.perf_counter() - started) * 1000)
     draft.train()
     return sorted(timings[2:])[repeats // 2]
@@ -172,6 +174,34 @@ def default_run_name(config: RunConfig) -> str:
     return f"{config.algorithm.algorithm}-{config.fingerprint()}"
 
 
+class LossWatch:
+    """The loss, watched on the device: a non-finite value and an all-zero run are recorded there each step
+    and read by the host only at `check` (log, validation, save), so a step never waits for the device."""
+
+    def __init__(self, device: str) -> None:
+        self.first_bad_step = torch.zeros((), dtype=torch.long, device=device)  # 0: none yet
+        self.bad_value = torch.zeros((), device=device)
+        self.any_nonzero = torch.zeros((), dtype=torch.bool, device=device)
+        self.loss = torch.zeros((), device=device)
+        self.last_loss = float("nan")
+
+    def record(self, step: int, loss: torch.Tensor) -> None:
+        bad = ~torch.isfinite(loss) & (self.first_bad_step == 0)
+        self.first_bad_step = torch.where(bad, step, self.first_bad_step)
+        self.bad_value = torch.where(bad, loss.float(), self.bad_value)
+        self.any_nonzero |= loss != 0
+        self.loss = loss
+
+    def check(self, checkpoint: Path) -> None:
+        """Raise on a non-finite loss since the last check, before anything is logged or saved."""
+        step, value, self.last_loss = int(self.first_bad_step), float(self.bad_value), float(self.loss)
+        if step:
+            raise NonFiniteLoss(f"non-finite loss {value} at step {step}; last good checkpoint kept at {checkpoint}")
+
+    def all_zero(self, first: int, last: int) -> bool:
+        return last > first and not bool(self.any_nonzero)
+
+
 # Called after each validation with (step, metrics); a returned string stops the run as pruned.
 ValidationHook = Callable[[int, dict[str, float]], str | None]
 
@@ -205,7 +235,9 @@ class TrainingRecipe:
             self.optimizer,
             lambda step: learning_rate_factor(step, train.max_steps, train.warmup_ratio, train.schedule),
         )
-        self.anchor_generator = torch.Generator().manual_seed(train.seed)
+        self.anchor_generator = generator("cpu", train.seed)  # anchors are drawn on the host, like the rows
+        self.watch = LossWatch(self.device)
+        self.tokens_since_log: tuple[int, int] = (0, 0)
 
     def resume(self) -> None:
         """Continue from the run's checkpoint, which must come from the same config."""
@@ -255,38 +287,46 @@ class TrainingRecipe:
         self.unflushed = []
 
     def training_row(self, step: int) -> PackedRow:
-        """Rows in a seeded random order per epoch, so a resumed run sees the same sequence."""
+        """Rows in a seeded random order per epoch, so a resumed run sees the same sequence (on the host)."""
         rows = self.workspace.train_rows
         epoch, position = divmod(step, len(rows))
         seed = self.config.train.seed * 100003 + epoch
-        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed))
-        return rows[int(order[position])].to(self.device)
+        order = torch.randperm(len(rows), generator=generator("cpu", seed))
+        return rows[int(order[position])]
 
-    def step(self, step: int) -> tuple[StepOutput, dict[str, float]]:
-        """One optimizer step; returns the forward's output and the step's throughput and optimizer stats."""
+    def step(self, step: int) -> StepOutput:
+        """One optimizer step. Nothing here waits for the device: the row and its anchors are drawn on the host
+        and moved once, and the loss, grad norm and metric counts stay on the device until `check` reads them."""
         row = self.training_row(step)
         anchors = sample_anchors(
             row.loss_mask, row.document_ids, self.shared.block_size, self.shared.max_anchors, self.anchor_generator
         )
-        started = time.perf_counter()
+        draft_tokens, feature_tokens = self.tokens_since_log
+        self.tokens_since_log = (
+            draft_tokens + int(anchors.valid.sum()) * self.shared.block_size,
+            feature_tokens + row.length,
+        )
+        row, anchors = to_device(row, anchors, self.device)
         with autocast(self.device, self.config.train.precision):
-            output = self.draft.training_forward(row, anchors_to(anchors, self.device))
-        if not torch.isfinite(output.loss):
-            raise NonFiniteLoss(
-                f"non-finite loss {float(output.loss.detach())} at step {step + 1}; "
-                f"last good checkpoint kept at {self.run.checkpoint_path}"
-            )
+            output = self.draft.training_forward(row, anchors)
+        self.watch.record(step + 1, output.loss.detach())
         self.optimizer.zero_grad(set_to_none=True)
         output.loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.train.grad_clip)
+        self.grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.train.grad_clip)
         self.optimizer.step()
         self.schedule.step()
-        elapsed = time.perf_counter() - started
-        return output, {
+        return output
+
+    def step_stats(self) -> dict[str, float]:
+        """Throughput since the last log (its wall time includes the device's queue) and the optimizer state."""
+        elapsed = time.perf_counter() - self.logged_at
+        draft_tokens, feature_tokens = self.tokens_since_log
+        self.tokens_since_log, self.logged_at = (0, 0), time.perf_counter()
+        return {
             "lr": self.schedule.get_last_lr()[0],
-            "grad_norm": float(grad_norm),
-            "draft_tokens_per_s": int(anchors.valid.sum()) * self.shared.block_size / elapsed,
-            "target_feature_tokens_per_s": row.length / elapsed,
+            "grad_norm": float(self.grad_norm),
+            "draft_tokens_per_s": draft_tokens / elapsed,
+            "target_feature_tokens_per_s": feature_tokens / elapsed,
         }
 
     def validate(self, step: int) -> dict[str, float]:
@@ -337,27 +377,36 @@ class TrainingRecipe:
         self.validate(0)
 
     def train(self, on_validation: ValidationHook | None = None) -> TrainResult:
-        """Steps from the start (or the checkpoint) to max_steps, validating, logging and saving on schedule."""
+        """Steps from the start (or the checkpoint) to max_steps, validating, logging and saving on schedule.
+
+        The host reads the device only where it logs, validates or saves; a non-finite loss is caught there,
+        before any checkpoint could hold it."""
         train, steps = self.config.train, self.config.train.max_steps
         counts: MetricCounts = {}
         validation = self.history[-1] if self.history else {}
         bar = tqdm(range(self.start_step, steps), initial=self.start_step, total=steps, desc=f"train {self.run.name}")
-        all_zero = True
+        self.logged_at = time.perf_counter()
         for step in bar:
-            output, stats = self.step(step)
+            output = self.step(step)
             pool(counts, output.counts)
-            loss = float(output.loss.detach())
-            all_zero = all_zero and loss == 0.0
             done = step + 1
-            bar.set_postfix(
-                loss=f"{loss:.3f}",
-                val_realized=f"{validation.get(REALIZED_ACCEPTED_LENGTH, 0):.3f}",
-            )
-            if done % train.log_every == 0 or done == steps:
-                metrics = {**finalize(counts, self.shared.block_size, self.shared.first_draft_slot), **stats}
+            logging_now = done % train.log_every == 0 or done == steps
+            validating = done % train.eval_every == 0 or done == steps
+            saving = done % train.checkpoint_every == 0 or done == steps
+            if logging_now or validating or saving:
+                self.watch.check(self.run.checkpoint_path)
+                bar.set_postfix(
+                    loss=f"{self.watch.last_loss:.3f}",
+                    val_realized=f"{validation.get(REALIZED_ACCEPTED_LENGTH, 0):.3f}",
+                )
+            if logging_now:
+                metrics = {
+                    **finalize(counts, self.shared.block_size, self.shared.first_draft_slot),
+                    **self.step_stats(),
+                }
                 self.log_metrics(metrics, tracking.TRAIN_PREFIX, done)
                 counts = {}
-            if done % train.eval_every == 0 or done == steps:
+            if validating:
                 validation = self.validate(done)
                 log.info(
                     "step %d: val realized %.3f unary %.3f oracle %.3f",
@@ -372,10 +421,10 @@ class TrainingRecipe:
                     bar.close()
                     self.flush_metrics()
                     return self.result(validation, stopped_reason=stop)
-            if done % train.checkpoint_every == 0 or done == steps:
+            if saving:
                 self.save(done)
         bar.close()
-        if all_zero and steps > self.start_step:
+        if self.watch.all_zero(self.start_step, steps):
             raise DegenerateRun(
                 f"the loss was exactly 0 at every step ({self.start_step + 1}..{steps}): nothing was learned; "
                 "check that the data has supervised (assistant) tokens"

@@ -25,6 +25,7 @@ from algorithms.metrics import (
     pool,
     se_name,
 )
+from harness import devices
 from harness.devices import anchors_to, autocast
 from harness.uncertainty import ratio_estimate, t_interval
 
@@ -44,7 +45,7 @@ class Validation:
 
 def subset_anchors(row: PackedRow, index: int, block_size: int, max_anchors: int) -> Anchors:
     """The intermediate validation's anchors of row `index`: max_anchors drawn with the row index as seed."""
-    generator = torch.Generator().manual_seed(index)
+    generator = devices.generator("cpu", index)
     return sample_anchors(row.loss_mask, row.document_ids, block_size, max_anchors, generator)
 
 

@@ -18,6 +18,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {error}") from None
     if args.n_jobs < 1:
         raise SystemExit(f"error: invalid --n-jobs={args.n_jobs}: allowed an integer >= 1")
+    devices = parse_devices(args.devices, args.n_jobs) if args.devices else None
     summary = launch(
         definition,
         args.file,
@@ -27,6 +28,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         args.n_jobs,
         args.worker,
         system_metrics=args.system_metrics,
+        devices=devices,
     )
     if args.worker:
         return 0
@@ -39,6 +41,23 @@ def cmd_launch(args: argparse.Namespace) -> int:
     print(tracking.ui_hint(args.workdir, tracking.experiment_name(definition.name)))
     print(f"Regenerate the report any time with: dflash-lab report {definition.name} --workdir {args.workdir}")
     return 0
+
+
+def parse_devices(text: str, n_jobs: int) -> list[str]:
+    """`cuda:0,cuda:1,...`: one worker per device, each checked to exist here."""
+    from harness.cli import check_device
+
+    devices = [item.strip() for item in text.split(",") if item.strip()]
+    if not devices:
+        raise SystemExit(f"error: invalid --devices={text!r}: allowed a comma-separated list like cuda:0,cuda:1")
+    if n_jobs > 1:
+        raise SystemExit(
+            f"error: invalid --n-jobs={n_jobs} with --devices={text!r}: allowed one of them "
+            "(--devices starts one worker per listed device)"
+        )
+    for device in devices:
+        check_device(device)
+    return devices
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -116,6 +135,11 @@ def add_study_command(commands, add_common) -> None:
         "--storage", help="Optuna storage URL (default: sqlite in the workdir; postgresql://... for many workers)"
     )
     launch.add_argument("--n-jobs", type=int, default=1, help="worker processes on this machine (default: 1)")
+    launch.add_argument(
+        "--devices",
+        help="one worker per device, e.g. cuda:0,cuda:1 (each pinned with its own CUDA_VISIBLE_DEVICES); "
+        "overrides --device",
+    )
     launch.add_argument(
         "--worker", action="store_true", help="join an existing study as an extra worker (no baselines, no report)"
     )

@@ -520,28 +520,34 @@ def _create_parent_run(definition: StudyDefinition, workdir: Path, experiment_id
     return run.info.run_id
 
 
+def pinned(device: str) -> tuple[str, dict[str, str]]:
+    """A worker's device inside its own process, and the environment that pins it there: `cuda:N` becomes
+    `cuda` with CUDA_VISIBLE_DEVICES=N, so the worker sees one GPU and cannot touch another's."""
+    if device.startswith("cuda"):
+        return "cuda", {"CUDA_VISIBLE_DEVICES": device.partition(":")[2] or "0"}
+    return device, {}
+
+
+def worker_devices(device: str, n_jobs: int, devices: list[str] | None) -> tuple[str, list[str]]:
+    """This process's device and one device per extra worker: `--devices` lists one per worker (this process
+    takes the first, by explicit index); without it, `--n-jobs` workers share `--device` (CPU studies)."""
+    if devices:
+        return devices[0], devices[1:]
+    return device, [device] * (n_jobs - 1)
+
+
 def spawn_workers(
-    study_file: Path, count: int, workdir: Path, url: str, device: str, system_metrics: bool = False
+    study_file: Path, devices: list[str], workdir: Path, url: str, system_metrics: bool = False
 ) -> list[subprocess.Popen]:
-    """Extra worker processes that join the same study through the shared storage."""
-    args = [
-        sys.executable,
-        "-m",
-        "harness.cli",
-        "study",
-        "launch",
-        str(study_file),
-        "--worker",
-        "--workdir",
-        str(workdir),
-        "--storage",
-        url,
-        "--device",
-        device,
-        "--no-report",
-        *(["--system-metrics"] if system_metrics else []),
-    ]
-    return [subprocess.Popen(args, env={**os.environ, "DFLASH_LAB_WORKER": str(i + 1)}) for i in range(count)]
+    """Extra worker processes, one per device, that join the same study through the shared storage."""
+    workers = []
+    for number, device in enumerate(devices, 1):
+        inside, environment = pinned(device)
+        args = [sys.executable, "-m", "harness.cli", "study", "launch", str(study_file), "--worker"]
+        args += ["--workdir", str(workdir), "--storage", url, "--device", inside, "--no-report"]
+        args += ["--system-metrics"] if system_metrics else []
+        workers.append(subprocess.Popen(args, env={**os.environ, **environment, "DFLASH_LAB_WORKER": str(number)}))
+    return workers
 
 
 def launch(
@@ -553,21 +559,24 @@ def launch(
     n_jobs: int = 1,
     worker: bool = False,
     system_metrics: bool = False,
+    devices: list[str] | None = None,
 ) -> dict:
-    """Create or resume the study, run baselines (launcher only) and trials, and summarise."""
+    """Create or resume the study, run baselines (launcher only) and trials, and summarise.
+
+    With `devices`, one worker per listed device: this process on the first, a pinned subprocess on each other.
+    """
+    device, others = worker_devices(device, n_jobs, devices)
     url = storage_url(workdir, storage)
     workdir.mkdir(parents=True, exist_ok=True)  # the default SQLite storage lives there
     study = open_study(definition, url)
     claims = Claims(study._storage, definition.name, heartbeat_grace_s())
     parent = ensure_parent_run(definition, study, workdir, claims)
-    if n_jobs > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // n_jobs))
+    if others and device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // (len(others) + 1)))
     workspace = prepare_workspace(definition.base, workdir, device)
     mlflow.set_experiment(tracking.experiment_name(definition.name))
     runner = StudyRunner(definition, workspace, study, parent, claims, device, system_metrics)
-    workers = (
-        spawn_workers(study_file, n_jobs - 1, workdir, url, device, system_metrics) if n_jobs > 1 and not worker else []
-    )
+    workers = spawn_workers(study_file, others, workdir, url, system_metrics) if others else []
     if not worker:
         runner.run_baselines()
     runner.optimize()

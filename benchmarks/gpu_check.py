@@ -1,0 +1,228 @@
+"""The GPU acceptance check: every user-facing command, end to end on CUDA, on the embedded target.
+
+    python -m benchmarks.gpu_check [--device cuda] [--workdir work-gpu] [--out benchmarks/GPU_CHECK.json]
+    python -m benchmarks.gpu_check --cpu-dry-run      # the same steps on the CPU at toy sizes (CI)
+
+Steps: prepare (reusing the cache), 100 DFlash2 steps under bf16 autocast with validation, evaluate on 5
+MT-bench prompts at T = 0 (token identity with the target's own greedy decoding) and T = 1, export and a
+load of the export in Z Lab's dflash 0.1.0 with identical hidden states, the train-step benchmark against
+speculators 0.9.0 at the qwen3-8b shape, and the DFlash2-over-DFlash overhead. One JSON summary holds every
+figure with pass or fail per step; the exit status is non-zero when any step failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_NAME = "gpu-check"
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What each step runs: the real check, or the toy dry run that keeps the script from rotting."""
+
+    data: tuple[str, ...]
+    train_steps: int
+    prompts: int
+    new_tokens: int
+    train_step_benchmark: tuple[str, ...]
+    overhead: tuple[str, ...]
+
+
+REAL = Sizes(
+    data=(),
+    train_steps=100,
+    prompts=5,
+    new_tokens=64,
+    train_step_benchmark=("--sizes", "qwen3-8b", "--algorithms", "dflash", "dflash2", "--precisions", "bf16"),
+    overhead=(),
+)
+DRY = Sizes(
+    # the end-to-end tests' data: a CI run reuses their cache
+    data=("--num-conversations", "40", "--num-validation", "8", "--max-new-tokens", "48", "--max-length", "192")
+    + ("--row-length", "512"),
+    train_steps=4,
+    prompts=1,
+    new_tokens=8,
+    train_step_benchmark=("--smoke",),
+    overhead=("--size", "tiny", "--steps", "1", "--cycles", "1", "--precisions", "fp32"),
+)
+
+
+def cli(*args: str, timeout: int = 1800) -> str:
+    """One dflash-lab command; its stdout, or an error with the last lines of stderr."""
+    return command([sys.executable, "-m", "harness.cli", *args], timeout)
+
+
+def command(args: list[str], timeout: int) -> str:
+    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(args[2:5])} exited {done.returncode}: {done.stderr.strip()[-600:]}")
+    return done.stdout
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+class Check:
+    """The steps, sharing one work directory and device."""
+
+    def __init__(self, device: str, workdir: Path, sizes: Sizes) -> None:
+        self.device, self.workdir, self.sizes = device, workdir, sizes
+        self.common = ("--workdir", str(workdir), "--device", device)
+
+    def prepare(self) -> dict:
+        out = cli("prepare", *self.common, *self.sizes.data)
+        return {"feature_cache": "reused" if "features reused" in out else "built"}
+
+    def train(self) -> dict:
+        steps = str(self.sizes.train_steps)
+        every = str(max(1, self.sizes.train_steps // 2))
+        args = ["train", *self.common, *self.sizes.data, "--algorithm", "dflash2", "--precision", "bf16"]
+        args += ["--max-steps", steps, "--eval-every", every, "--checkpoint-every", every, "--run-name", RUN_NAME]
+        run_dir = self.workdir / "runs" / RUN_NAME
+        if run_dir.exists():
+            args.append("--resume")  # a rerun of the script continues (or re-reads) the finished run
+        started = time.perf_counter()
+        out = cli(*args)
+        validation = json.loads(out[out.index("{") : out.rindex("}") + 1])
+        return {
+            "seconds": time.perf_counter() - started,
+            **{key: validation[key] for key in validation if "accepted_length" in key or key == "num_anchors"},
+        }
+
+    def evaluate(self) -> dict:
+        args = ["evaluate", RUN_NAME, *self.common, "--num-prompts", str(self.sizes.prompts)]
+        out = cli(*args, "--max-new-tokens", str(self.sizes.new_tokens), "--temperatures", "0", "1")
+        figures = {
+            line.split(":")[0].removeprefix("eval/"): float(line.split(":")[1])
+            for line in out.splitlines()
+            if line.startswith("eval/")
+        }
+        if figures.get("mtbench_lossless_fraction") != 1.0:
+            raise AssertionError(f"T = 0 decoding differs from the target's greedy tokens: {figures}")
+        return figures
+
+    def export(self) -> dict:
+        """Export, then the same block through ours and Z Lab's loaded export: identical hidden states."""
+        import torch
+
+        from harness.export import load_exported_weights
+        from harness.features import target_features
+        from harness.run import Run
+        from harness.targets import load_target
+        from harness.train import restore_draft
+
+        out = self.workdir / "gpu-check-export"
+        cli("export", RUN_NAME, "--workdir", str(self.workdir), "--out", str(out), "--force")
+        from dflash import model as zlab
+
+        torch.backends.cuda.matmul.allow_tf32 = False  # compare in true fp32
+        target = load_target("smollm2-135m", self.workdir, device=self.device)
+        draft = load_exported_weights(restore_draft(Run(self.workdir, RUN_NAME).load_checkpoint(), target), out)
+        draft = draft.to(self.device).eval()
+        architecture = json.loads((out / "config.json").read_text())["architectures"][0]
+        theirs = getattr(zlab, architecture).from_pretrained(out, dtype=torch.float32).to(self.device).eval()
+        prompt = target.tokenizer("Name three rivers in Europe.", return_tensors="pt")["input_ids"].to(self.device)
+        with torch.no_grad():
+            hidden = target.model(input_ids=prompt, output_hidden_states=True).hidden_states
+            features = target_features(hidden, draft.config.target_layer_ids)[0]
+            length, anchor = features.shape[0], int(prompt[0, -1])
+            positions = torch.arange(length, device=self.device)
+            ours = draft.single_block_hidden(features, positions, anchor, length, draft.block_size)
+            block_ids = torch.full((draft.block_size,), draft.config.mask_token_id, device=self.device)
+            block_ids[0] = anchor
+            reference = theirs(
+                position_ids=torch.arange(length + draft.block_size, device=self.device)[None],
+                noise_embedding=draft.embed_weight[block_ids][None],
+                target_hidden=features[None],
+            )[0]
+        difference = float((ours - reference).abs().max())
+        if difference > 1e-3:
+            raise AssertionError(f"hidden states differ from Z Lab's by up to {difference:.2e}")
+        return {"max_abs_hidden_difference": difference, "export": str(out)}
+
+    def train_step_benchmark(self) -> dict:
+        args = [
+            sys.executable,
+            "-m",
+            "benchmarks.train_step",
+            "--device",
+            self.device,
+            *self.sizes.train_step_benchmark,
+        ]
+        records = json_lines(command(args, 3600))
+        if any("error" in r for r in records):
+            raise AssertionError(f"a benchmark configuration failed: {records}")
+        return {"records": records}
+
+    def overhead(self) -> dict:
+        args = [sys.executable, "-m", "benchmarks.overhead", "--device", self.device, "--workdir", str(self.workdir)]
+        out = self.workdir / "OVERHEAD.md"
+        return {"records": json_lines(command([*args, *self.sizes.overhead, "--out", str(out)], 3600))}
+
+
+def run_steps(steps: list[tuple[str, Callable[[], dict]]]) -> dict:
+    """Every step, in order, each recorded as pass or fail with its figures or its error."""
+    results = {}
+    for name, step in steps:
+        started = time.perf_counter()
+        try:
+            results[name] = {"status": "pass", **step()}
+        except Exception as error:  # recorded, and the remaining steps still run
+            results[name] = {"status": "fail", "error": f"{type(error).__name__}: {error}"}
+        results[name]["wall_s"] = round(time.perf_counter() - started, 1)
+        print(json.dumps({"step": name, **results[name]}, default=str)[:2000], flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda", help="the CUDA device to check (default: cuda)")
+    parser.add_argument("--workdir", type=Path, default=Path("work-gpu"), help="caches and runs (default: work-gpu)")
+    parser.add_argument("--out", type=Path, help="the JSON summary (default: benchmarks/GPU_CHECK.json)")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="the same steps on the CPU at toy sizes")
+    args = parser.parse_args(argv)
+    if args.cpu_dry_run:
+        args.device = "cpu"
+    out = args.out or (
+        args.workdir / "GPU_CHECK.json" if args.cpu_dry_run else Path(__file__).parent / "GPU_CHECK.json"
+    )
+    check = Check(args.device, args.workdir, DRY if args.cpu_dry_run else REAL)
+    started = time.perf_counter()
+    steps = [
+        ("prepare", check.prepare),
+        ("train", check.train),
+        ("evaluate", check.evaluate),
+        ("export", check.export),
+        ("train_step_benchmark", check.train_step_benchmark),
+        ("overhead", check.overhead),
+    ]
+    results = run_steps(steps)
+    summary = {
+        "device": args.device,
+        "dry_run": args.cpu_dry_run,
+        "passed": all(r["status"] == "pass" for r in results.values()),
+        "wall_s": round(time.perf_counter() - started, 1),
+        "steps": results,
+    }
+    if args.device.startswith("cuda"):
+        import torch
+
+        summary["gpu"] = torch.cuda.get_device_name(args.device)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    print(f"summary: {out} ({'passed' if summary['passed'] else 'FAILED'})")
+    return 0 if summary["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

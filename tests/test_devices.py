@@ -1,0 +1,117 @@
+"""CPU-side guards for the CUDA paths: one device helper for generators and inputs, fixed shapes where a
+device would otherwise stall, dtype-correct decoding, and one pinned device per study worker."""
+
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import algorithms.unary_head as unary_head
+from harness import devices
+from harness.decode import speculative_generate
+from harness.evaluate import offline_realized_on_continuations
+from studies import runner
+
+from conftest import anchors_for, packed_row, tiny_draft
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_every_generator_comes_from_the_device_helper():
+    made = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for package in ("algorithms", "harness", "studies", "reports", "benchmarks")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"torch\.Generator\(", line) and path != ROOT / "harness" / "devices.py"
+    ]
+    assert not made, f"generators made outside harness/devices.py: {made}"
+    assert devices.generator("cpu", 3).device == torch.device("cpu")
+    first, second = (torch.rand(4, generator=devices.generator("cpu", 3)) for _ in range(2))
+    assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "dflash2"])
+def test_the_fixed_shape_head_equals_the_compacted_one(algorithm, monkeypatch):
+    """CUDA sends every row of a chunk through the head instead of compacting: same loss, gradients, metrics."""
+    row = packed_row()
+    anchors = anchors_for(row)
+
+    def run():
+        draft = tiny_draft(algorithm)
+        output = draft.training_forward(row, anchors)
+        output.loss.backward()
+        grads = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+        return output, grads
+
+    compacted, compacted_grads = run()
+    monkeypatch.setattr(unary_head, "COMPACTING_DEVICE_TYPES", ())
+    fixed, fixed_grads = run()
+    assert float(fixed.loss.detach()) == pytest.approx(float(compacted.loss.detach()), rel=1e-5)
+    for name, grad in compacted_grads.items():
+        assert torch.allclose(fixed_grads[name], grad, rtol=1e-4, atol=1e-7), name
+    for name, pair in compacted.counts.items():
+        assert torch.allclose(fixed.counts[name], pair, rtol=1e-6), name
+
+
+def _greedy(model, prompt: list[int], tokens: int) -> list[int]:
+    ids = list(prompt)
+    for _ in range(tokens):
+        ids.append(int(model(input_ids=devices.ids_on(ids, devices.model_device(model))).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "dflash2"])
+def test_decoding_and_offline_replay_run_on_a_non_default_dtype(algorithm):
+    """Target and draft in float64, generators from the helper on the model's device: a tensor built on the
+    wrong device or dtype fails here the way it would on CUDA."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+    )
+    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    draft = tiny_draft(algorithm).to(torch.float64)
+    prompt = [1, 2, 3, 4, 5]
+    with torch.no_grad():
+        greedy = speculative_generate(model, draft, prompt, 12, set(), 0.0)
+        assert greedy.tokens == _greedy(model, prompt, 12), "lossless at T = 0"
+        sampled = speculative_generate(
+            model, draft, prompt, 12, set(), 1.0, devices.generator(devices.model_device(model), 0)
+        )
+    assert len(sampled.tokens) == 12
+    every, replayed = offline_realized_on_continuations(
+        types.SimpleNamespace(model=model), draft, [prompt], [greedy.tokens]
+    )
+    assert every >= 1.0 and replayed >= 1.0
+
+
+def test_each_worker_gets_its_own_device(monkeypatch, tmp_path):
+    spawned = []
+    monkeypatch.setattr(runner.subprocess, "Popen", lambda args, env: spawned.append((args, env)))
+    runner.spawn_workers(tmp_path / "s.yaml", ["cuda:1", "cuda:3"], tmp_path, "sqlite:///x.db")
+    assert [env["CUDA_VISIBLE_DEVICES"] for _, env in spawned] == ["1", "3"]
+    for args, _ in spawned:
+        assert args[args.index("--device") + 1] == "cuda" and "--worker" in args
+    assert runner.worker_devices("cpu", 1, ["cuda:0", "cuda:1", "cuda:2"]) == ("cuda:0", ["cuda:1", "cuda:2"])
+    assert runner.worker_devices("cpu", 3, None) == ("cpu", ["cpu", "cpu"])
+    assert runner.pinned("cpu") == ("cpu", {})
+
+
+def test_devices_and_n_jobs_together_are_refused():
+    from studies.cli import parse_devices
+
+    with pytest.raises(SystemExit, match=r"invalid --n-jobs=2 with --devices='cpu,cpu'"):
+        parse_devices("cpu,cpu", 2)
+    with pytest.raises(SystemExit, match=r"invalid --device='cuda:7'"):
+        parse_devices("cuda:7", 1)
+    assert parse_devices("cpu, cpu", 1) == ["cpu", "cpu"]
