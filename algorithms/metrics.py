@@ -21,6 +21,7 @@ UNARY_FULL_ACC = "unary_full_acc"
 DRAFT_STEP_MS = "draft_step_ms"
 NUM_ANCHORS = "num_anchors"  # anchors a validation counted (the total of the accepted-length pairs)
 NUM_DOCUMENTS = "num_documents"  # documents they came from: the units the standard errors cluster on
+FINAL_VALIDATION_S = "final_validation_s"  # wall time of the final, every-anchor validation
 SE_SUFFIX = "_se"
 
 
