@@ -169,8 +169,11 @@ def attention_tiles(
     lowest = document_start[anchors.positions]
     if sliding_window is not None:
         lowest = torch.maximum(lowest, anchors.positions - sliding_window)
-    lowest = torch.where(anchors.valid, lowest, length).tolist()
-    highest = torch.where(anchors.valid, anchors.positions, 0).tolist()
+    # The one host read of a forward: tiles are sliced by these bounds, 2N integers (N anchors) copied once.
+    # On CUDA it waits for the queue to reach this point, which is the start of the step (the bounds depend
+    # only on the inputs); not yet measured on a GPU. A fixed-shape alternative would attend over whole rows.
+    bounds = torch.stack([torch.where(anchors.valid, lowest, length), torch.where(anchors.valid, anchors.positions, 0)])
+    lowest, highest = bounds.tolist()
     tiles = []
     for first in range(0, anchors.positions.shape[0], blocks_per_tile):
         last = min(first + blocks_per_tile, anchors.positions.shape[0])

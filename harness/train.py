@@ -296,8 +296,8 @@ class TrainingRecipe:
         return rows[int(order[position])]
 
     def step(self, step: int) -> StepOutput:
-        """One optimizer step. Nothing here waits for the device: the row and its anchors are drawn on the host
-        and moved once, and the loss, grad norm and metric counts stay on the device until `check` reads them."""
+        """One optimizer step. The row and its anchors are drawn on the host and moved once; the loss, grad norm
+        and metric counts stay on the device until `check` reads them (the forward reads its tile bounds once)."""
         row = self.training_row(step)
         anchors = sample_anchors(
             row.loss_mask, row.document_ids, self.shared.block_size, self.shared.max_anchors, self.anchor_generator

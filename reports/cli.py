@@ -7,6 +7,7 @@ from pathlib import Path
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from harness import tracking
     from reports.build import build_comparison, build_report
 
     try:
@@ -19,6 +20,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     except LookupError as error:
         raise SystemExit(f"error: {error}") from None
     print(f"Report: {path}")
+    if args.study and not args.compare:  # the report and its figures were logged to the study's parent run
+        print(tracking.ui_hint(args.workdir, tracking.experiment_name(args.study)))
     return 0
 
 

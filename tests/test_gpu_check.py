@@ -1,4 +1,5 @@
-"""The GPU acceptance script cannot rot: its --help, and its every step on the CPU at toy sizes."""
+"""The GPU acceptance script cannot rot: its --help, and its every step on the CPU at toy sizes (which is
+also CI's smoke run of both benchmarks)."""
 
 import json
 import subprocess
@@ -39,4 +40,12 @@ def test_the_dry_run_passes_every_step(e2e_workspace, e2e_workdir):
     assert steps["prepare"]["feature_cache"] == "reused"
     assert steps["evaluate"]["mtbench_lossless_fraction"] == 1.0
     assert steps["export"]["max_abs_hidden_difference"] < 1e-3
+    # the train-step benchmark's smoke run: it still runs, and parity with speculators still holds
+    records = steps["train_step_benchmark"]["records"]
+    assert {r["algorithm"] for r in records} == {"dflash", "dflash2"}
+    for record in records:
+        assert record["loss_relative_difference"] < 1e-3
+        assert record["ours_median_ms"] > 0 and record["theirs_median_ms"] > 0 and record["ours_peak_mib"] > 0
+        assert record["theirs_configuration"].startswith("sdpa, eager losses, eager") and not record["theirs_failures"]
+    assert {r.get("size") for r in steps["overhead"]["records"]} >= {"tiny"}
     assert summary["device"] == "cpu" and summary["dry_run"]

@@ -42,3 +42,33 @@ def test_a_resumed_run_that_finishes_drops_its_old_failure_reason(tmp_path, monk
     assert resumed.run_id == run.run_id and stored.info.status == "FINISHED"
     assert stored.data.tags[tracking.TAG_STATUS] == "finished" and tracking.TAG_STATUS_REASON not in stored.data.tags
     mlflow.set_tracking_uri("")
+
+
+def test_a_pruned_run_reads_as_pruned_in_the_runs_table(tmp_path, monkeypatch):
+    """KILLED is all MLflow's status says; the state tag and the description say pruned, and why."""
+    from types import SimpleNamespace
+
+    from harness.run import Run
+    from studies.runner import StudyRunner
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    definition = SimpleNamespace(objectives=["realized_accepted_length"], pruner="median")
+    runner = StudyRunner(definition, None, SimpleNamespace(pruner=None), "parent", None)
+    trial = SimpleNamespace(report=lambda value, step: None, should_prune=lambda: True)
+    reason = runner.pruning_hook(trial)(40, {"realized_accepted_length": 1.12})
+    assert reason == "at step 40 by the median rule (realized 1.120)"
+    run = Run(tmp_path, "pruned-one", experiment="pruned-check")
+    run.start({tracking.TAG_ROLE: tracking.ROLE_TRIAL})
+    run.end(RunStatus.PRUNED, reason)
+    stored = tracking.client(tmp_path).get_run(run.run_id)
+    assert stored.info.status == "KILLED" and stored.data.tags[tracking.TAG_STATUS] == "pruned"
+    assert stored.data.tags[tracking.TAG_NOTE] == "PRUNED at step 40 by the median rule (realized 1.120)"
+    mlflow.set_tracking_uri("")
+
+
+def test_metric_keys_put_accepted_lengths_first_and_never_embed_k():
+    assert tracking.metric_key("realized_accepted_length", tracking.VAL_PREFIX) == "accept/realized"
+    assert tracking.metric_key("oracle_accepted_length_se", tracking.VAL_PREFIX) == "accept/oracle_se"
+    assert tracking.metric_key("unary_candidate_recall", tracking.VAL_PREFIX) == "val/unary_candidate_recall"
+    assert tracking.metric_key("realized_accepted_length", tracking.TRAIN_PREFIX) == "train/realized_accepted_length"
+    assert sorted(["val/loss", "train/loss", "best/x", "accept/unary", "eval/y", "system/cpu"])[0] == "accept/unary"
