@@ -115,8 +115,38 @@ def dry_run(config, workdir: Path) -> dict:
         "target_layer_ids": draft.config.target_layer_ids,
         "trainable_parameters": sum(p.numel() for p in draft.parameters()),
         "checkpoint_config": export,
+        "feature_cache": cache_plan(config, draft, workdir),
         "tensor_shapes": {name: list(tensor.shape) for name, tensor in draft.state_dict().items()},
     }
+
+
+def cache_plan(config, draft, workdir: Path) -> dict:
+    """The disk the feature cache would need, from the token count, layers, hidden size and dtypes, against the
+    free space where it would go; a warning (also logged) when it would not fit and the mode is `cache`."""
+    import shutil
+
+    from harness.config import CACHE_FEATURES
+    from harness.features import estimated_bytes
+
+    tokens = config.data.num_conversations * config.data.max_length  # at most: every document truncated there
+    hidden = draft.embed_weight.shape[1]
+    needed = estimated_bytes(tokens, hidden, len(draft.config.target_layer_ids))
+    place = next(p for p in [workdir.resolve(), *workdir.resolve().parents] if p.exists())
+    free = shutil.disk_usage(place).free
+    plan = {
+        "mode": config.train.features,
+        "tokens_at_most": tokens,
+        "bytes_at_most": needed,
+        "gib_at_most": round(needed / 2**30, 2),
+        "free_gib": round(free / 2**30, 2),
+    }
+    if needed > free and config.train.features == CACHE_FEATURES:
+        plan["warning"] = (
+            f"the feature cache may need {needed / 2**30:.1f} GiB but {free / 2**30:.1f} GiB is free at {place}; "
+            "--features online computes the features inside each training step and writes nothing"
+        )
+        logging.getLogger(__name__).warning(plan["warning"])
+    return plan
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -144,10 +174,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
+    from harness.config import ONLINE_FEATURES
     from harness.train import prepare_workspace
 
     config = resolve_run_config(args)
-    planned_draft(config, args.workdir)
+    draft = planned_draft(config, args.workdir)
+    if args.dry_run:
+        print(json.dumps(cache_plan(config, draft, args.workdir), indent=2))
+        return 0
     workspace = prepare_workspace(config, args.workdir, args.device)
     print(
         f"target {workspace.target.name} ({workspace.target.weights_hash}), mask "
@@ -157,7 +191,10 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         f"data {workspace.data.dataset_id} ({workspace.data.dataset_hash}): "
         f"{len(workspace.data.train)} train / {len(workspace.data.validation)} validation documents"
     )
-    print(f"features {'reused' if workspace.feature_cache_hit else 'built'}: {workspace.features.directory}")
+    if config.train.features == ONLINE_FEATURES:
+        print("features online: computed by the target inside each training step, nothing extracted")
+    else:
+        print(f"features {'reused' if workspace.feature_cache_hit else 'built'}: {workspace.features.directory}")
     return 0
 
 
@@ -262,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_common(prepare)
     add_run_options(prepare)
+    prepare.add_argument(
+        "--dry-run", action="store_true", help="print the feature cache's estimated size against the free disk"
+    )
     prepare.set_defaults(handler=cmd_prepare)
 
     export = commands.add_parser(

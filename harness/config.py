@@ -16,6 +16,8 @@ from harness.data import DataConfig
 OPTIMIZERS = ("adamw",)
 SCHEDULES = ("linear", "cosine")
 PRECISIONS = ("auto", "fp32", "bf16")
+CACHE_FEATURES, ONLINE_FEATURES = "cache", "online"
+FEATURE_MODES = (CACHE_FEATURES, ONLINE_FEATURES)
 
 
 @dataclass
@@ -35,6 +37,11 @@ class TrainConfig:
     checkpoint_every: int = knob(50, "steps between checkpoints")
     final_validation_cap: int = knob(
         0, "most anchors per validation document in the final validation (0: every eligible anchor)"
+    )
+    features: str = knob(
+        CACHE_FEATURES,
+        "cache: target features extracted once to disk; online: the target computes them in each step (no disk)",
+        choices=FEATURE_MODES,
     )
     precision: str = knob(
         "auto", "auto: bf16 autocast on CUDA, fp32 on CPU; bf16 autocasts on CPU too", choices=PRECISIONS

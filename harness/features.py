@@ -6,6 +6,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -14,11 +15,13 @@ from tqdm.auto import tqdm
 
 from algorithms.blocks import PackedRow
 from harness.data import Document, pack_documents, pack_row, stable_hash
+from harness.devices import ids_on, model_device
 from harness.files import atomic_write
 from harness.targets import file_sha256
 
 log = logging.getLogger(__name__)
 DOCS_PER_SHARD = 64
+FEATURE_DTYPE, FINAL_DTYPE = torch.bfloat16, torch.float32  # per token: the selected layers, the final state
 
 
 class CorruptFeatureCache(RuntimeError):
@@ -41,25 +44,64 @@ class FeatureCache:
         with safe_open(self.directory / self.manifest["shards"][shard]["file"], framework="pt") as handle:
             return handle.get_tensor(f"doc{index}.features"), handle.get_tensor(f"doc{index}.final")
 
-    def document_rows(self, offset: int, documents: list[Document]) -> list[PackedRow]:
-        """One unpadded row per document [offset, offset + len): the unit validation statistics cluster on."""
-        rows = []
-        for index, doc in enumerate(documents):
-            row = pack_row([doc], len(doc.input_ids))
-            row.features, row.target_hidden = self.document(offset + index)
-            rows.append(row)
-        return rows
 
-    def packed_rows(self, offset: int, documents: list[Document], row_length: int) -> list[PackedRow]:
-        """Pack documents [offset, offset + len) into rows, with their cached features filled in."""
-        rows, members = pack_documents(documents, row_length)
-        for row, indices in zip(rows, members, strict=True):
-            features, finals = zip(*(self.document(offset + i) for i in indices), strict=True)
-            used = sum(f.shape[0] for f in features)
-            pad = row_length - used
-            row.features = torch.cat([*features, features[0].new_zeros(pad, features[0].shape[1])])
-            row.target_hidden = torch.cat([*finals, finals[0].new_zeros(pad, finals[0].shape[1])])
-        return rows
+class FeatureSource(Protocol):
+    """Where a document's target features come from: the cache on disk, or the target itself."""
+
+    def document(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass
+class OnlineFeatures:
+    """The features the cache would hold, computed by the frozen target when a row needs them (`online`
+    mode): nothing is written to disk, for runs whose cache would not fit."""
+
+    target: object
+    documents: list[Document]
+    layer_ids: list[int]
+
+    def document(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        model = self.target.model
+        with torch.no_grad():
+            out = model(
+                input_ids=ids_on(self.documents[index].input_ids, model_device(model)), output_hidden_states=True
+            )
+        return stored(target_features(out.hidden_states, self.layer_ids)[0], out.hidden_states[-1][0])
+
+
+def stored(features: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A document's features as the cache keeps them (and online mode hands them over): bf16 and fp32."""
+    return features.to(FEATURE_DTYPE), final.to(FINAL_DTYPE)
+
+
+def fill(row: PackedRow, members: list[int], source: FeatureSource, offset: int) -> PackedRow:
+    """`row` with the features of its documents [offset + i for i in members], padded to its length."""
+    features, finals = zip(*(source.document(offset + i) for i in members), strict=True)
+    pad = row.length - sum(f.shape[0] for f in features)
+    row.features = torch.cat([*features, features[0].new_zeros(pad, features[0].shape[1])])
+    row.target_hidden = torch.cat([*finals, finals[0].new_zeros(pad, finals[0].shape[1])])
+    return row
+
+
+def packed_rows(
+    source: FeatureSource, offset: int, documents: list[Document], row_length: int, with_features: bool = True
+) -> tuple[list[PackedRow], list[list[int]]]:
+    """Documents [offset, offset + len) packed into rows, and each row's document indices; with their features
+    filled in, or left for `fill` at training time (online mode)."""
+    rows, members = pack_documents(documents, row_length)
+    if with_features:
+        rows = [fill(row, indices, source, offset) for row, indices in zip(rows, members, strict=True)]
+    return rows, members
+
+
+def document_rows(source: FeatureSource, offset: int, documents: list[Document]) -> list[PackedRow]:
+    """One unpadded row per document [offset, offset + len): the unit validation statistics cluster on."""
+    return [fill(pack_row([doc], len(doc.input_ids)), [i], source, offset) for i, doc in enumerate(documents)]
+
+
+def estimated_bytes(tokens: int, hidden_size: int, num_layers: int) -> int:
+    """Disk a cache of `tokens` needs: the selected layers in bf16 plus the final hidden state in fp32."""
+    return tokens * hidden_size * (num_layers * FEATURE_DTYPE.itemsize + FINAL_DTYPE.itemsize)
 
 
 def cache_key(target_hash: str, dataset_hash: str, layer_ids: list[int], max_length: int) -> str:
@@ -112,8 +154,8 @@ def _extract_into(tmp: Path, target, documents: list[Document], layer_ids: list[
                 for row, doc in enumerate(batch):
                     size = len(doc.input_ids)
                     index = start + row
-                    tensors[f"doc{index}.features"] = features[row, :size].to(torch.bfloat16).cpu().contiguous()
-                    tensors[f"doc{index}.final"] = hidden[-1][row, :size].float().cpu().contiguous()
+                    kept = stored(features[row, :size], hidden[-1][row, :size])
+                    tensors[f"doc{index}.features"], tensors[f"doc{index}.final"] = (t.cpu().contiguous() for t in kept)
                     bar.update(size)
             name = f"shard-{len(shards):05d}.safetensors"
             save_file(tensors, tmp / name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -32,10 +33,10 @@ from algorithms.metrics import (
     unary_position_acc_name,
 )
 from harness import tracking
-from harness.config import RunConfig
+from harness.config import ONLINE_FEATURES, RunConfig
 from harness.data import PreparedData, prepare_documents
 from harness.devices import autocast, generator, synchronize, to_device
-from harness.features import FeatureCache, load_or_build
+from harness.features import FeatureSource, OnlineFeatures, document_rows, fill, load_or_build, packed_rows
 from harness.files import atomic_write, remove_stale_temporaries
 from harness.plots import per_position_figure
 from harness.run import CONFIG_FILE, PER_POSITION_FIGURE, PER_POSITION_FILE, VALIDATION_DOCUMENTS_FILE, Run
@@ -62,26 +63,42 @@ class Workspace:
     workdir: Path
     target: Target
     data: PreparedData
-    features: FeatureCache
+    features: FeatureSource  # the cache, or the target itself (online mode)
     feature_cache_hit: bool
-    train_rows: list[PackedRow]
+    train_rows: list[PackedRow]  # without features in online mode: `training_row` fills them
     validation_rows: list[PackedRow]  # packed: the intermediate validations' fixed subset of anchors
     validation_documents: list[PackedRow]  # one per document: the final validation's every anchor
+    train_members: list[list[int]] = field(default_factory=list)  # each training row's document indices
+
+    def training_row(self, index: int) -> PackedRow:
+        """Training row `index` with its features (computed now by the target in online mode)."""
+        row = self.train_rows[index]
+        if row.features.numel():
+            return row
+        return fill(dataclasses.replace(row), self.train_members[index], self.features, len(self.data.validation))
 
 
 def prepare_workspace(config: RunConfig, workdir: Path, device: str = "cpu") -> Workspace:
-    """Target, regenerated data and the feature cache for `config` (the target runs only on a cache miss)."""
+    """Target, regenerated data and the features for `config`: the cache (the target runs only on a miss), or
+    the target itself in online mode, which writes nothing and computes training rows' features per step."""
     for cache in ("targets", "data", "features"):
         remove_stale_temporaries(workdir / cache)
     target = load_target(config.target, workdir, config.algorithm.shared.mask_token_id, device)
     layer_ids = config.algorithm.shared.resolve_target_layer_ids(target.spec.num_hidden_layers)
     data = prepare_documents(target, config.data, workdir)
     documents = data.validation + data.train
-    features, hit = load_or_build(target, documents, data.dataset_hash, layer_ids, config.data.max_length, workdir)
-    validation_rows = features.packed_rows(0, data.validation, config.data.row_length)
-    train_rows = features.packed_rows(len(data.validation), data.train, config.data.row_length)
-    validation_documents = features.document_rows(0, data.validation)
-    return Workspace(workdir, target, data, features, hit, train_rows, validation_rows, validation_documents)
+    online = config.train.features == ONLINE_FEATURES
+    if online:
+        features, hit = OnlineFeatures(target, documents, layer_ids), False
+        log.info("online features: the target computes them inside each training step; no cache is written")
+    else:
+        features, hit = load_or_build(target, documents, data.dataset_hash, layer_ids, config.data.max_length, workdir)
+    validation_rows, _ = packed_rows(features, 0, data.validation, config.data.row_length)
+    train_rows, members = packed_rows(
+        features, len(data.validation), data.train, config.data.row_length, with_features=not online
+    )
+    validation_documents = document_rows(features, 0, data.validation)
+    return Workspace(workdir, target, data, features, hit, train_rows, validation_rows, validation_documents, members)
 
 
 def with_target_defaults(config: RunConfig, target: Target) -> RunConfig:
@@ -293,7 +310,7 @@ class TrainingRecipe:
         epoch, position = divmod(step, len(rows))
         seed = self.config.train.seed * 100003 + epoch
         order = torch.randperm(len(rows), generator=generator("cpu", seed))
-        return rows[int(order[position])]
+        return self.workspace.training_row(int(order[position]))
 
     def step(self, step: int) -> StepOutput:
         """One optimizer step. The row and its anchors are drawn on the host and moved once; the loss, grad norm

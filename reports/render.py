@@ -413,7 +413,7 @@ def per_position(configs: list[Configuration], figure: str | None) -> str:
     return "\n\n".join(parts)
 
 
-def verdicts(record: StudyRecord, configs: list[Configuration], resolved_knobs: list[str]) -> str:
+def verdicts(configs: list[Configuration], resolved_knobs: list[str]) -> str:
     """Statements computed from the recorded numbers, each with its interval."""
     if not configs:
         return "## Verdicts\n\n- No completed runs: no verdict can be drawn."
@@ -660,7 +660,7 @@ def render(record: StudyRecord, out_dir: Path, on_figure: FigureHook | None = No
         effects,
         importances(record, trials),
         per_position(configs, "per_position.png" if "per_position.png" in written else None),
-        verdicts(record, configs, resolved),
+        verdicts(configs, resolved),
         problems(record),
     ]
     return "\n\n".join(sections) + "\n"

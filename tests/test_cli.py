@@ -95,6 +95,13 @@ def test_qwen3_8b_recipe_dry_run_matches_spec_shapes():
     )
     assert shapes["candidate_selector.hidden_projection.weight"] == [256, hidden]
     assert not any(k.startswith(("embed_tokens", "lm_head")) for k in shapes)
+    # the feature cache this recipe would need: 50,000 conversations of at most 256 tokens, by hand
+    cache = report["feature_cache"]
+    assert cache["tokens_at_most"] == 50_000 * 256
+    assert cache["bytes_at_most"] == 50_000 * 256 * hidden * (3 * 2 + 4) == 524_288_000_000
+    assert ("warning" in cache) == (cache["bytes_at_most"] > cache["free_gib"] * 2**30)
+    if "warning" in cache:
+        assert "--features online" in cache["warning"] and "--features online" in done.stderr
     config = report["checkpoint_config"]
     assert config["dflash_config"]["target_layer_ids"] == [1, 17, 32] and config["aux_hidden_state_layer_ids"] == [
         2,

@@ -291,3 +291,28 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_in_the_same_mlflow_run
         steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]
         assert len(steps) == len(set(steps)), f"{key} logged a step twice: {steps}"
     assert run.data.tags[tracking.TAG_STATUS] == "finished"
+
+
+def test_online_features_equal_the_cache(e2e_workspace, e2e_workdir):
+    """`--features online`: the target computes the features inside the step; same loss, nothing on disk."""
+    import dataclasses
+
+    from harness.run import Run
+    from harness.train import TrainingRecipe, prepare_workspace, with_target_defaults
+
+    cached_config = with_target_defaults(e2e_run_config("dflash2"), e2e_workspace.target)
+    online_config = dataclasses.replace(
+        cached_config, train=dataclasses.replace(cached_config.train, features="online")
+    )
+    before = sorted((e2e_workdir / "features").rglob("*"))
+    online = prepare_workspace(online_config, e2e_workdir)
+    assert all(row.features.numel() == 0 for row in online.train_rows), "training rows wait for their step"
+    row, cached_row = online.training_row(0), e2e_workspace.training_row(0)
+    assert row.features.dtype == cached_row.features.dtype == torch.bfloat16
+    assert torch.allclose(row.features.float(), cached_row.features.float(), rtol=2e-2, atol=2e-2)
+    losses = [
+        float(TrainingRecipe(config, workspace, Run(e2e_workdir, f"online-{name}")).step(0).loss.detach())
+        for name, config, workspace in (("cached", cached_config, e2e_workspace), ("online", online_config, online))
+    ]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-3)
+    assert sorted((e2e_workdir / "features").rglob("*")) == before, "online mode writes no cache"
