@@ -46,7 +46,7 @@ GENERATED_PREFIX = "Generated: "
 NOISE = "not distinguishable from noise at this budget"
 PATH_LABELS = {"unary": "unary (Recall@1)", "oracle": "oracle (Recall@K)", "realized": "realized"}
 MAX_SLOTS = 64
-MAX_LEVELS = 6  # a knob with more distinct values than this is split at its median instead
+MIN_TRIALS_PER_LEVEL = 2  # a knob's effect is judged only between levels that pool several trials
 # fANOVA fits a random forest of the objective on the knobs; with fewer than about four completed trials per
 # tuned knob, and under ten in all, its importances mostly reflect which trials happened to be sampled.
 MIN_TRIALS_PER_KNOB, MIN_TRIALS_FOR_IMPORTANCE = 4, 10
@@ -287,13 +287,14 @@ def component_ablation(configs: list[Configuration]) -> str | None:
     return "\n\n".join(parts)
 
 
-def knob_levels(trials: list[Configuration], knob: str) -> list[tuple[str, list[Configuration]]]:
-    """The trials at each level of a knob; a knob with many distinct values splits at its median."""
+def knob_levels(trials: list[Configuration], knob: str, categorical: bool) -> list[tuple[str, list[Configuration]]]:
+    """The trials at each level of a knob. A numeric knob with more than two distinct values splits at its
+    median, so each half pools several trials (one trial per level would compare single runs)."""
     values = {c.key: float(c.first[knob]) for c in trials if c.first[knob] != ""}
     distinct = sorted(set(values.values()))
     if len(distinct) < 2:
         return []
-    if len(distinct) <= MAX_LEVELS:
+    if categorical or len(distinct) == 2:
         return [(fmt_value(v), [c for c in trials if values.get(c.key) == v]) for v in distinct]
     median = float(np.median(list(values.values())))
     low = [c for c in trials if c.key in values and values[c.key] <= median]
@@ -306,7 +307,7 @@ def level_estimate(configs: list[Configuration]) -> Estimate:
     return mean_of_estimates(values, estimate(configs[0], REALIZED_ACCEPTED_LENGTH))
 
 
-def knob_effects(configs: list[Configuration], figure: str | None) -> tuple[str, list[str]]:
+def knob_effects(configs: list[Configuration], kinds: dict[str, dict], figure: str | None) -> tuple[str, list[str]]:
     """Per knob: realized accepted length at each level with its interval; returns the section and the knobs
     whose effect is distinguishable from noise."""
     trials = [c for c in configs if c.first["role"] == tracking.ROLE_TRIAL]
@@ -315,22 +316,31 @@ def knob_effects(configs: list[Configuration], figure: str | None) -> tuple[str,
         parts.append(f"{len(trials)} completed trial(s): too few to estimate knob effects.")
         return "\n\n".join(parts), []
     parts.append(
-        "Realized accepted length at each level: the mean over the level's trials with its t interval, or, for a "
-        "level with one trial, that trial's own interval. *Effect* compares the best level with the worst."
+        "Realized accepted length at each level: the mean over the level's trials with its t interval (the spread "
+        "between trials carries the other knobs' changes and the training noise), or, for a level with one trial, "
+        "that trial's own interval. *Effect* compares the best level with the worst; it is resolved only when both "
+        f"levels hold at least {MIN_TRIALS_PER_LEVEL} trials and its interval excludes 0."
     )
     resolved = []
     for knob in TUNED_KNOBS:
-        levels = knob_levels(trials, knob)
+        levels = knob_levels(trials, knob, kinds.get(knob, {}).get("kind") == "categorical")
         if not levels:
             continue
         estimates = [(name, members, level_estimate(members)) for name, members in levels]
         ranked = sorted(estimates, key=lambda e: -e[2].value)
         best, worst = ranked[0], ranked[-1]
         effect = unpaired_difference(best[2], worst[2])
-        if effect.excludes_zero:
-            resolved.append(knob)
+        if min(len(best[1]), len(worst[1])) < MIN_TRIALS_PER_LEVEL:
+            statement = (
+                f"{effect.text(signed=True)}: not resolved, a level with one trial compares single runs that "
+                "differ in every other knob and in training noise"
+            )
+        else:
+            statement = verdict(effect)
+            if effect.excludes_zero:
+                resolved.append(knob)
         parts.append(
-            f"**{knob}**: effect {best[0]} − {worst[0]} = {verdict(effect)}\n\n"
+            f"**{knob}**: effect {best[0]} − {worst[0]} = {statement}\n\n"
             + table(
                 [knob, "trials", "realized [95% interval]"],
                 [[name, len(members), e.text()] for name, members, e in estimates],
@@ -442,6 +452,12 @@ def verdicts(configs: list[Configuration], resolved_knobs: list[str]) -> str:
             f"- {selector[0].label} − {REFERENCE_ALGORITHM} baseline, realized accepted length ({seeds}, mean over "
             f"seeds against mean over seeds): {verdict(ahead)}."
         )
+        for baseline in (c for c in selector[1:] if c.first["role"] == tracking.ROLE_BASELINE):
+            effect = difference(baseline, REALIZED_ACCEPTED_LENGTH, reference[0])
+            lines.append(
+                f"- {baseline.label} − {REFERENCE_ALGORITHM} baseline, realized accepted length (fixed in advance, "
+                f"not selected on this validation set): {verdict(effect)}."
+            )
     trials = sum(1 for c in configs if c.first["role"] == tracking.ROLE_TRIAL)
     if trials >= 2:
         lines.append(
@@ -532,10 +548,10 @@ def knob_figure(record: StudyRecord, configs: list[Configuration]):
 
     plt = _pyplot()
     trials = [c for c in configs if c.first["role"] == tracking.ROLE_TRIAL]
-    knobs = [k for k in TUNED_KNOBS if knob_levels(trials, k)]
+    kinds = search_kinds(record)
+    knobs = [k for k in TUNED_KNOBS if knob_levels(trials, k, True)]
     if len(trials) < 2 or not knobs:
         return None
-    kinds = search_kinds(record)
     fig, axes = plt.subplots(1, len(knobs), figsize=(3.4 * len(knobs), 3.2), squeeze=False)
     for axis, knob in zip(axes[0], knobs, strict=True):
         dimension = kinds.get(knob, {})
@@ -647,7 +663,9 @@ def render(record: StudyRecord, out_dir: Path, on_figure: FigureHook | None = No
         plt.close(figure)
         written.add(name)
     trials = sum(1 for c in configs if c.first["role"] == tracking.ROLE_TRIAL)
-    effects, resolved = knob_effects(configs, "knob_effects.png" if "knob_effects.png" in written else None)
+    effects, resolved = knob_effects(
+        configs, search_kinds(record), "knob_effects.png" if "knob_effects.png" in written else None
+    )
     sections = [
         header(record, configs),
         leaderboard(configs),
