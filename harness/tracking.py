@@ -158,7 +158,9 @@ def prefixed(values: dict[str, float], prefix: str) -> dict[str, float]:
 
 def who_and_where() -> dict[str, str]:
     """The Created-by and Source columns for runs created through the client (start_run fills them itself)."""
-    return {TAG_USER: getpass.getuser(), TAG_SOURCE: " ".join(["dflash-lab", *sys.argv[1:]])}
+    # The UI shows a source's last path segment, so paths in the command line keep only their file name.
+    words = [Path(word).name if "/" in word else word for word in sys.argv[1:]]
+    return {TAG_USER: getpass.getuser(), TAG_SOURCE: " ".join(["dflash-lab", *words])}
 
 
 def stringified(params: dict) -> dict[str, object]:
