@@ -32,6 +32,26 @@ class Anchors:
 
     positions: torch.Tensor  # [N] long
     valid: torch.Tensor  # [N] bool
+    # (document start, position, valid) per anchor as Python lists, when the anchors were drawn on the host:
+    # the attention tiles are sliced by them, so a forward on an accelerator never reads them back.
+    host: tuple[list[int], list[int], list[bool]] | None = None
+
+
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """The first position of each position's document (documents are contiguous in a packed row)."""
+    length = document_ids.shape[0]
+    index = torch.arange(length, device=document_ids.device)
+    is_start = torch.ones(length, dtype=torch.bool, device=document_ids.device)
+    is_start[1:] = document_ids[1:] != document_ids[:-1]
+    return torch.cummax(torch.where(is_start, index, 0), dim=0).values
+
+
+def host_view(anchors: Anchors, document_ids: torch.Tensor) -> tuple[list[int], list[int], list[bool]]:
+    """What the tiling needs on the host; free where the tensors live on the CPU."""
+    if anchors.host is not None:
+        return anchors.host
+    starts = document_starts(document_ids)[anchors.positions]
+    return starts.tolist(), anchors.positions.tolist(), anchors.valid.tolist()
 
 
 def eligible_anchor_mask(loss_mask: torch.Tensor, document_ids: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -162,18 +182,11 @@ def attention_tiles(
     Documents are contiguous in a packed row.
     """
     length = document_ids.shape[0]
-    index = torch.arange(length, device=document_ids.device)
-    is_start = torch.ones(length, dtype=torch.bool, device=document_ids.device)
-    is_start[1:] = document_ids[1:] != document_ids[:-1]
-    document_start = torch.cummax(torch.where(is_start, index, 0), dim=0).values
-    lowest = document_start[anchors.positions]
-    if sliding_window is not None:
-        lowest = torch.maximum(lowest, anchors.positions - sliding_window)
-    # The one host read of a forward: tiles are sliced by these bounds, 2N integers (N anchors) copied once.
-    # On CUDA it waits for the queue to reach this point, which is the start of the step (the bounds depend
-    # only on the inputs); not yet measured on a GPU. A fixed-shape alternative would attend over whole rows.
-    bounds = torch.stack([torch.where(anchors.valid, lowest, length), torch.where(anchors.valid, anchors.positions, 0)])
-    lowest, highest = bounds.tolist()
+    starts, positions, valid = host_view(anchors, document_ids)
+    window = sliding_window if sliding_window is not None else length
+    bounds = list(zip(starts, positions, valid, strict=True))
+    lowest = [max(start, position - window) if real else length for start, position, real in bounds]
+    highest = [position if real else 0 for _, position, real in bounds]
     tiles = []
     for first in range(0, anchors.positions.shape[0], blocks_per_tile):
         last = min(first + blocks_per_tile, anchors.positions.shape[0])

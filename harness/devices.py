@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from algorithms.blocks import Anchors, PackedRow
+from algorithms.blocks import Anchors, PackedRow, host_view
 
 
 def generator(device: torch.device | str, seed: int) -> torch.Generator:
@@ -18,11 +18,14 @@ def model_device(module: torch.nn.Module) -> torch.device:
 
 
 def anchors_to(anchors: Anchors, device: torch.device | str) -> Anchors:
-    return Anchors(anchors.positions.to(device, non_blocking=True), anchors.valid.to(device, non_blocking=True))
+    positions, valid = (t.to(device, non_blocking=True) for t in (anchors.positions, anchors.valid))
+    return Anchors(positions, valid, anchors.host)
 
 
 def to_device(row: PackedRow, anchors: Anchors, device: torch.device | str) -> tuple[PackedRow, Anchors]:
-    """A row and its anchors, built on the host, on the model's device (one transfer per step)."""
+    """A row and its anchors, built on the host, on the model's device (one transfer per step). The anchors
+    keep their host view, so the forward never reads anything back from the device."""
+    anchors = Anchors(anchors.positions, anchors.valid, host_view(anchors, row.document_ids))
     return row.to(device), anchors_to(anchors, device)
 
 

@@ -313,8 +313,9 @@ class TrainingRecipe:
         return self.workspace.training_row(int(order[position]))
 
     def step(self, step: int) -> StepOutput:
-        """One optimizer step. The row and its anchors are drawn on the host and moved once; the loss, grad norm
-        and metric counts stay on the device until `check` reads them (the forward reads its tile bounds once)."""
+        """One optimizer step that never waits for the device: the row and its anchors are drawn on the host and
+        moved once (with the anchors' host view, which slices the attention tiles); the loss, grad norm and
+        metric counts stay on the device until `check` reads them."""
         row = self.training_row(step)
         anchors = sample_anchors(
             row.loss_mask, row.document_ids, self.shared.block_size, self.shared.max_anchors, self.anchor_generator

@@ -26,7 +26,7 @@ from algorithms.metrics import (
     se_name,
 )
 from harness import devices
-from harness.devices import anchors_to, autocast
+from harness.devices import autocast, to_device
 from harness.uncertainty import ratio_estimate, t_interval
 
 DOCUMENT_COLUMN, ANCHORS_COLUMN = "document", "anchor_positions"
@@ -71,7 +71,7 @@ def validate_subset(draft: DFlashDraft, rows: list[PackedRow], device: str, prec
     for index, row in enumerate(rows):
         anchors = subset_anchors(row, index, shared.block_size, shared.max_anchors)
         with autocast(device, precision):
-            pool(counts, draft.training_forward(row.to(device), anchors_to(anchors, device)).counts)
+            pool(counts, draft.training_forward(*to_device(row, anchors, device)).counts)
     draft.train()
     return Validation(_finalize(draft, counts), counts)
 
@@ -89,7 +89,7 @@ def validate_documents(
         record = {DOCUMENT_COLUMN: index, ANCHORS_COLUMN: " ".join(map(str, anchors.positions.tolist()))}
         if anchors.positions.numel():
             with autocast(device, precision):
-                document_counts = draft.training_forward(row.to(device), anchors_to(anchors, device)).counts
+                document_counts = draft.training_forward(*to_device(row, anchors, device)).counts
             pool(counts, document_counts)
             for name, pair in document_counts.items():
                 record[name + SUM_SUFFIX], record[name + TOTAL_SUFFIX] = float(pair[0]), float(pair[1])

@@ -115,3 +115,22 @@ def test_devices_and_n_jobs_together_are_refused():
     with pytest.raises(SystemExit, match=r"invalid --device='cuda:7'"):
         parse_devices("cuda:7", 1)
     assert parse_devices("cpu, cpu", 1) == ["cpu", "cpu"]
+
+
+@pytest.mark.parametrize("algorithm", ["dflash", "dflash2"])
+def test_anchors_moved_to_a_device_carry_the_host_view_that_slices_the_tiles(algorithm):
+    """The training step moves anchors with their host view, so the forward reads nothing back from the device;
+    it computes exactly what the forward without one does."""
+    from algorithms.blocks import document_starts
+
+    row = packed_row()
+    anchors = anchors_for(row)
+    moved_row, moved = devices.to_device(row, anchors, "cpu")
+    starts, positions, valid = moved.host
+    assert positions == anchors.positions.tolist() and valid == anchors.valid.tolist()
+    assert starts == document_starts(row.document_ids)[anchors.positions].tolist()
+    draft = tiny_draft(algorithm)
+    with torch.no_grad():
+        with_view = draft.training_forward(moved_row, moved)
+        without = draft.training_forward(row, anchors)
+    assert torch.equal(with_view.loss, without.loss)
