@@ -22,15 +22,11 @@ from algorithms.metrics import (
     DRAFT_STEP_MS,
     FINAL_VALIDATION_S,
     ORACLE_ACCEPTED_LENGTH,
-    PATHS,
     REALIZED_ACCEPTED_LENGTH,
     UNARY_ACCEPTED_LENGTH,
     MetricCounts,
-    conditional_acc_name,
     finalize,
     pool,
-    recall_position_name,
-    unary_position_acc_name,
 )
 from harness import tracking
 from harness.config import ONLINE_FEATURES, RunConfig
@@ -42,8 +38,13 @@ from harness.plots import per_position_figure
 from harness.run import CONFIG_FILE, PER_POSITION_FIGURE, PER_POSITION_FILE, VALIDATION_DOCUMENTS_FILE, Run
 from harness.targets import Target, load_target
 from harness.tracking import RunStatus
-from harness.uncertainty import wilson
-from harness.validation import pooled_counts, summary_line, validate_documents, validate_subset
+from harness.validation import (
+    per_position_rows,
+    pooled_counts,
+    summary_line,
+    validate_documents,
+    validate_subset,
+)
 
 log = logging.getLogger(__name__)
 
@@ -161,31 +162,6 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
     draft: DFlashDraft | None = None
     stopped_reason: str | None = None
-
-
-def per_position_rows(counts: MetricCounts, block_size: int, first_slot: int) -> list[dict]:
-    """Per draft slot: its anchor count, unary accuracy, recall, and each path's conditional acceptance with
-    the number of anchors it rests on and a 95% Wilson interval."""
-    rows = []
-    for slot in range(first_slot, block_size):
-        hits, anchors = counts[unary_position_acc_name(slot)].tolist()
-        row = {
-            "slot": slot,
-            "anchors": int(anchors),
-            "unary_acc": hits / anchors if anchors else float("nan"),
-            "recall": float(counts[recall_position_name(slot)][0]) / anchors if anchors else float("nan"),
-        }
-        for path in PATHS:
-            accepted, total = counts[conditional_acc_name(path, slot)].tolist()
-            low, high = wilson(accepted, total)
-            row |= {
-                f"{path}_conditional_acc": accepted / total if total else float("nan"),
-                f"{path}_n": int(total),
-                f"{path}_low": low,
-                f"{path}_high": high,
-            }
-        rows.append(row)
-    return rows
 
 
 def default_run_name(config: RunConfig) -> str:
@@ -464,7 +440,7 @@ class TrainingRecipe:
         self.run.log_metrics({DRAFT_STEP_MS: step_ms}, tracking.VAL_PREFIX, self.config.train.max_steps)
         documents = self.run.path(VALIDATION_DOCUMENTS_FILE)  # on disk: a resume after the last save has it too
         counts = pooled_counts(pd.read_csv(documents))
-        rows = per_position_rows(counts, self.shared.block_size, self.shared.first_draft_slot)
+        rows = per_position_rows(counts)
         csv = self.run.path(PER_POSITION_FILE)
         pd.DataFrame(rows).to_csv(csv, index=False)
         self.run.log_file(documents)

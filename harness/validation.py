@@ -20,14 +20,18 @@ from algorithms.metrics import (
     HEADLINE_METRICS,
     NUM_ANCHORS,
     NUM_DOCUMENTS,
+    PATHS,
     MetricCounts,
+    conditional_acc_name,
     finalize,
     pool,
+    recall_position_name,
     se_name,
+    unary_position_acc_name,
 )
 from harness import devices
 from harness.devices import autocast, to_device
-from harness.uncertainty import ratio_estimate, t_interval
+from harness.uncertainty import ratio_estimate, t_interval, wilson
 
 DOCUMENT_COLUMN, ANCHORS_COLUMN = "document", "anchor_positions"
 SUM_SUFFIX, TOTAL_SUFFIX = ":sum", ":total"
@@ -114,11 +118,36 @@ def pooled_counts(documents: pd.DataFrame) -> MetricCounts:
     """The pooled (sum, total) pairs a per-document frame adds up to."""
     names = [column.removesuffix(SUM_SUFFIX) for column in documents if column.endswith(SUM_SUFFIX)]
     return {
-        name: torch.tensor(
-            [documents[name + SUM_SUFFIX].sum(), documents[name + TOTAL_SUFFIX].sum()], dtype=torch.float64
-        )
+        name: torch.tensor([float(column.sum()) for column in pairs(documents, name)], dtype=torch.float64)
         for name in names
     }
+
+
+def per_position_rows(counts: MetricCounts) -> list[dict]:
+    """Per draft slot: its anchor count, unary accuracy, recall, and each path's conditional acceptance with
+    the number of anchors it rests on and a 95% Wilson interval (a run's per_position.csv, a report's table)."""
+    # Every slot has counts of its own, so no slot index reaches the number of counts.
+    slots = [slot for slot in range(len(counts)) if unary_position_acc_name(slot) in counts]
+    rows = []
+    for slot in slots:
+        hits, anchors = counts[unary_position_acc_name(slot)].tolist()
+        row = {
+            "slot": slot,
+            "anchors": int(anchors),
+            "unary_acc": hits / anchors if anchors else float("nan"),
+            "recall": float(counts[recall_position_name(slot)][0]) / anchors if anchors else float("nan"),
+        }
+        for path in PATHS:
+            accepted, total = counts[conditional_acc_name(path, slot)].tolist()
+            low, high = wilson(accepted, total)
+            row |= {
+                f"{path}_conditional_acc": accepted / total if total else float("nan"),
+                f"{path}_n": int(total),
+                f"{path}_low": low,
+                f"{path}_high": high,
+            }
+        rows.append(row)
+    return rows
 
 
 def summary_line(values: dict[str, float]) -> str:

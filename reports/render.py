@@ -24,13 +24,12 @@ from algorithms.metrics import (
     UNARY_ACCEPTED_LENGTH,
     UNARY_CANDIDATE_RECALL,
     UNARY_CANDIDATE_TARGET_MASS,
-    conditional_acc_name,
-    unary_position_acc_name,
 )
 from algorithms.registry import REFERENCE_ALGORITHM
 from harness import tracking
 from harness.tracking import RunStatus
-from harness.uncertainty import Estimate, mean_estimate, unpaired_difference, wilson
+from harness.uncertainty import Estimate, mean_estimate, unpaired_difference
+from harness.validation import per_position_rows, pooled_counts
 from reports.collect import TUNED_KNOBS, StudyRecord
 from reports.estimates import (
     Configuration,
@@ -45,7 +44,6 @@ from reports.estimates import (
 GENERATED_PREFIX = "Generated: "
 NOISE = "not distinguishable from noise at this budget"
 PATH_LABELS = {"unary": "unary (Recall@1)", "oracle": "oracle (Recall@K)", "realized": "realized"}
-MAX_SLOTS = 64
 MIN_TRIALS_PER_LEVEL = 2  # a knob's effect is judged only between levels that pool several trials
 # fANOVA fits a random forest of the objective on the knobs; with fewer than about four completed trials per
 # tuned knob, and under ten in all, its importances mostly reflect which trials happened to be sampled.
@@ -385,13 +383,9 @@ def best_and_reference(configs: list[Configuration]) -> list[tuple[str, Configur
     return chosen
 
 
-def slot_counts(config: Configuration, name: str) -> tuple[float, float]:
-    sums, totals = config.pooled(name)
-    return float(sums.sum()), float(totals.sum())
-
-
-def slots(config: Configuration) -> list[int]:
-    return [s for s in range(MAX_SLOTS) if config.has(unary_position_acc_name(s))]
+def position_rows(config: Configuration) -> list[dict]:
+    """The configuration's per-slot rates with their Wilson intervals, pooled over its seeds."""
+    return per_position_rows(pooled_counts(pd.concat(config.documents.values(), ignore_index=True)))
 
 
 def per_position(configs: list[Configuration], figure: str | None) -> str:
@@ -405,18 +399,20 @@ def per_position(configs: list[Configuration], figure: str | None) -> str:
         "number of anchors each rate rests on (*n*). Few anchors reach the late slots, so their rates are wide."
     )
     for title, config in chosen:
-        positions = slots(config)
-        rows = [["anchors", *[int(slot_counts(config, unary_position_acc_name(s))[1]) for s in positions], ""]]
+        positions = position_rows(config)
+        rows = [["anchors", *[r["anchors"] for r in positions], ""]]
         for path in ("unary", "oracle", "realized"):
-            cells = []
-            for s in positions:
-                accepted, total = slot_counts(config, conditional_acc_name(path, s))
-                low, high = wilson(accepted, total)
-                cells.append(f"{accepted / total:.2f} [{low:.2f}, {high:.2f}] n={int(total)}" if total else "–")
+            cells = [
+                f"{r[f'{path}_conditional_acc']:.2f} [{r[f'{path}_low']:.2f}, {r[f'{path}_high']:.2f}] "
+                f"n={r[f'{path}_n']}"
+                if r[f"{path}_n"]
+                else "–"
+                for r in positions
+            ]
             rows.append([PATH_LABELS[path], *cells, estimate(config, f"{path}_accepted_length").text()])
         parts.append(
             f"**{title}** ({config.first['run_name']})\n\n"
-            + table(["", *[f"pos {s}" for s in positions], "accepted length"], rows)
+            + table(["", *[f"pos {r['slot']}" for r in positions], "accepted length"], rows)
         )
     if figure:
         parts.append(f"![per-position conditional acceptance]({figure})")
@@ -597,16 +593,12 @@ def position_figure(configs: list[Configuration]):
         return None
     fig, axis = plt.subplots(figsize=(6.5, 3.8))
     for (title, config), style in zip(chosen, ("-", "--"), strict=False):
+        positions = position_rows(config)
         for path in ("unary", "oracle", "realized"):
-            xs, ys, low, high = [], [], [], []
-            for s in slots(config):
-                accepted, total = slot_counts(config, conditional_acc_name(path, s))
-                if total:
-                    lo, hi = wilson(accepted, total)
-                    xs.append(s)
-                    ys.append(accepted / total)
-                    low.append(accepted / total - lo)
-                    high.append(hi - accepted / total)
+            shown = [r for r in positions if r[f"{path}_n"]]
+            xs, ys = [r["slot"] for r in shown], [r[f"{path}_conditional_acc"] for r in shown]
+            low = [y - r[f"{path}_low"] for y, r in zip(ys, shown, strict=True)]
+            high = [r[f"{path}_high"] - y for y, r in zip(ys, shown, strict=True)]
             axis.errorbar(
                 xs, ys, yerr=[low, high], fmt=style, marker="o", capsize=2, label=f"{title}: {PATH_LABELS[path]}"
             )

@@ -10,6 +10,7 @@ from algorithms.metrics import (
     ACCEPTED_LENGTHS,
     REALIZED_ACCEPTED_LENGTH,
     conditional_acc_name,
+    recall_position_name,
     unary_position_acc_name,
 )
 from harness.validation import ANCHORS_COLUMN, DOCUMENT_COLUMN, SUM_SUFFIX, TOTAL_SUFFIX
@@ -32,6 +33,8 @@ def _documents(unary: float, realized: float, oracle: float, seed: int) -> pd.Da
     for slot in (1, 2):
         frame[unary_position_acc_name(slot) + SUM_SUFFIX] = ANCHORS * 0.5
         frame[unary_position_acc_name(slot) + TOTAL_SUFFIX] = ANCHORS.astype(float)
+        frame[recall_position_name(slot) + SUM_SUFFIX] = ANCHORS * 0.6  # every run records recall per slot
+        frame[recall_position_name(slot) + TOTAL_SUFFIX] = ANCHORS.astype(float)
         for path in ("unary", "realized", "oracle"):
             frame[conditional_acc_name(path, slot) + SUM_SUFFIX] = ANCHORS * 0.4
             frame[conditional_acc_name(path, slot) + TOTAL_SUFFIX] = ANCHORS.astype(float)

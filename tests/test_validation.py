@@ -15,12 +15,12 @@ from algorithms.metrics import (
     se_name,
 )
 from harness.devices import anchors_to
-from harness.train import per_position_rows
 from harness.validation import (
     ANCHORS_COLUMN,
     DOCUMENT_COLUMN,
     document_anchors,
     pairs,
+    per_position_rows,
     pooled_counts,
     validate_documents,
 )
@@ -101,7 +101,7 @@ def test_a_cap_keeps_evenly_spaced_anchors():
 
 def test_per_position_rows_give_counts_and_wilson_intervals():
     validation = validate_documents(tiny_draft("dflash2"), _documents(), "cpu", "fp32")
-    rows = per_position_rows(validation.counts, 4, 1)
+    rows = per_position_rows(validation.counts)
     assert [r["slot"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["anchors"] > 0
