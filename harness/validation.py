@@ -95,8 +95,9 @@ def validate_documents(
             with autocast(device, precision):
                 document_counts = draft.training_forward(*to_device(row, anchors, device)).counts
             pool(counts, document_counts)
-            for name, pair in document_counts.items():
-                record[name + SUM_SUFFIX], record[name + TOTAL_SUFFIX] = float(pair[0]), float(pair[1])
+            host = torch.stack(list(document_counts.values())).cpu().tolist()  # one read per document
+            for name, (part, total) in zip(document_counts, host, strict=True):
+                record[name + SUM_SUFFIX], record[name + TOTAL_SUFFIX] = part, total
         records.append(record)
     draft.train()
     frame = pd.DataFrame(records).fillna(0.0)
