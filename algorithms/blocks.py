@@ -36,6 +36,11 @@ class Anchors:
     # the attention tiles are sliced by them, so a forward on an accelerator never reads them back.
     host: tuple[list[int], list[int], list[bool]] | None = None
 
+    def strided(self, start: int, step: int) -> Anchors:
+        """Every `step`-th anchor from `start`: one data-parallel rank's disjoint, still sorted, part."""
+        host = None if self.host is None else tuple(values[start::step] for values in self.host)
+        return Anchors(self.positions[start::step], self.valid[start::step], host)
+
 
 def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     """The first position of each position's document (documents are contiguous in a packed row)."""

@@ -116,6 +116,12 @@ class DFlashDraft(DraftBackbone):
         )
         return BlockForward(hidden=hidden, head=head, mask=loss_mask, block_tokens=row.input_ids[flat].view(-1, size))
 
+    def batch_share(self, row: PackedRow, anchors: Anchors, part: Anchors) -> float:
+        """The weight of `part`'s loss in the loss over all `anchors` (host tensors): a data-parallel rank scales
+        its loss by it, so that the ranks' gradients add up to the gradient of the whole batch."""
+        mask = lambda a: aligned_loss_mask(row.loss_mask, a, self.block_size, self.shared.sample_from_anchor)  # noqa: E731
+        return float(losses.denominator(mask(part))) / float(losses.denominator(mask(anchors)))
+
     def weighted_loss(self, per_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Reduce one per-position term with the configured position weighting."""
         return losses.reduce_weighted(per_position, self.unary_objective.weights(per_position, mask), mask)
@@ -126,7 +132,7 @@ class DFlashDraft(DraftBackbone):
         scalars = {"loss": loss, "unary_loss": out.head.loss}
         if len(out.head.terms) > 1:
             scalars.update({f"{name}_loss": value for name, value in out.head.terms.items()})
-        pool(counts, scalar_counts(scalars))
+        pool(counts, scalar_counts(scalars, out.mask.sum()))
         pool(counts, unary_counts(out.head.stats, out.mask, self.block_size, self.shared.first_draft_slot))
         return StepOutput(loss, counts)
 

@@ -101,7 +101,7 @@ class DFlash2Draft(DFlashDraft):
             counts = selector_counts(
                 all_scores[:, :top_k].detach(), stats, out.mask, walk.tokens, injected_logprobs, size, first
             )
-        pool(counts, scalar_counts({"selector_loss": selector_loss}))
+        pool(counts, scalar_counts({"selector_loss": selector_loss}, out.mask.sum()))
         return loss, counts
 
     def propose_from_hidden(

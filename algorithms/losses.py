@@ -9,6 +9,14 @@ import torch
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 NLA_EPS = 1e-5
+LOSS_EPS = 1e-5  # keeps a batch without supervised positions at loss 0
+
+
+def denominator(mask: torch.Tensor) -> torch.Tensor:
+    """What every loss term is divided by: the supervised positions of the batch, sum(m) + 1e-5."""
+    return mask.sum() + LOSS_EPS
+
+
 LK_HYBRID_ETA = 3.0
 
 
@@ -113,7 +121,7 @@ def dpace_weights(per_position_ce: torch.Tensor, mask: torch.Tensor, block_size:
 
 def reduce_weighted(per_position: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sum(w * m * l) / (sum(m) + 1e-5): the denominator is the unweighted mask count."""
-    return (weights * mask * per_position).sum() / (mask.sum() + 1e-5)
+    return (weights * mask * per_position).sum() / denominator(mask)
 
 
 def position_weights(

@@ -66,9 +66,10 @@ def _pair(numerator: torch.Tensor, denominator: torch.Tensor | float) -> torch.T
     return torch.stack([numerator.to(torch.float64), denominator.to(torch.float64)])
 
 
-def scalar_counts(values: dict[str, torch.Tensor]) -> MetricCounts:
-    """Per-batch scalars (losses): sum = value, total = 1, so pooling averages batches."""
-    return {name: _pair(value, 1.0) for name, value in values.items()}
+def scalar_counts(values: dict[str, torch.Tensor], weight: torch.Tensor) -> MetricCounts:
+    """Per-batch losses, weighted by the supervised positions they average over: pooling batches (or the data-
+    parallel ranks' parts of one batch) gives the loss of all their positions together."""
+    return {name: _pair(value.detach() * weight, weight) for name, value in values.items()}
 
 
 def path_counts(path: str, correct: torch.Tensor, valid: torch.Tensor, first_slot: int) -> MetricCounts:

@@ -114,7 +114,7 @@ def unary_head(
     raw_gathered = torch.zeros(rows, top_k + 1, device=hidden.device)
     term_sums = {name: torch.zeros((), device=hidden.device) for name in objective.loss_weights}
     loss_grad = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if needs_grad else None
-    denominator = mask.sum() + 1e-5
+    denominator = losses.denominator(mask)
     chunk_rows = max(1, CHUNK_ELEMENTS // (head_weight.shape[0] * block)) * block
     # Under autocast the head GEMMs run in its dtype; cast the frozen head once, not once per chunk.
     device_type = hidden.device.type

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger("dflash_lab")
@@ -126,16 +127,19 @@ def cache_plan(config, draft, workdir: Path) -> dict:
     import shutil
 
     from harness.config import CACHE_FEATURES
-    from harness.features import estimated_bytes
+    from harness.features import estimated_bytes, final_dtype
+    from harness.targets import native_dtype, target_config
 
     tokens = config.data.num_conversations * config.data.max_length  # at most: every document truncated there
     hidden = draft.embed_weight.shape[1]
-    needed = estimated_bytes(tokens, hidden, len(draft.config.target_layer_ids))
+    target_dtype = native_dtype(target_config(config.target, workdir))
+    needed = estimated_bytes(tokens, hidden, len(draft.config.target_layer_ids), target_dtype)
     place = next(p for p in [workdir.resolve(), *workdir.resolve().parents] if p.exists())
     free = shutil.disk_usage(place).free
     plan = {
         "mode": config.train.features,
         "tokens_at_most": tokens,
+        "final_hidden_dtype": str(final_dtype(target_dtype)).removeprefix("torch."),
         "bytes_at_most": needed,
         "gib_at_most": round(needed / 2**30, 2),
         "free_gib": round(free / 2**30, 2),
@@ -149,6 +153,60 @@ def cache_plan(config, draft, workdir: Path) -> dict:
     return plan
 
 
+def add_distributed_options(parser: argparse.ArgumentParser) -> None:
+    from harness.distributed import DEFAULT_COLLECTIVE_TIMEOUT_S
+
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="data-parallel ranks on this machine: relaunches itself under torchrun (default: 1; under "
+        "`torchrun --nproc_per_node N -m harness.cli ...` torchrun's own setting applies)",
+    )
+    parser.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+        help=f"seconds a rank waits in a collective for a lost rank before the run fails "
+        f"(default: {DEFAULT_COLLECTIVE_TIMEOUT_S:.0f})",
+    )
+
+
+def relaunch_under_torchrun(args: argparse.Namespace) -> int | None:
+    """`--nproc-per-node N` outside torchrun: run this same command as N ranks under torchrun, return its exit
+    status. None when this process is already a rank (or N is 1)."""
+    import os
+    import subprocess
+
+    from harness.distributed import launched_by_torchrun
+
+    if args.nproc_per_node < 1:
+        raise SystemExit(f"error: invalid --nproc-per-node={args.nproc_per_node}: allowed an integer >= 1")
+    if args.nproc_per_node == 1 or launched_by_torchrun():
+        return None
+    # torchrun pins each rank to 1 thread unless told otherwise; on the CPU the ranks share the cores instead.
+    threads = str(max(1, (os.cpu_count() or 1) // args.nproc_per_node))
+    env = {"OMP_NUM_THREADS": threads, **os.environ}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += [f"--nproc-per-node={args.nproc_per_node}", "-m", "harness.cli", *args.argv]
+    log.info("launching %d ranks: %s", args.nproc_per_node, " ".join(command))
+    return subprocess.run(command, env=env, check=False).returncode
+
+
+@contextmanager
+def joined(args: argparse.Namespace):
+    """This process's ranks and device (only rank 0 logs below warnings); the process group ends on exit."""
+    from harness.distributed import join, leave
+
+    ranks, device = join(args.device, args.collective_timeout)
+    if not ranks.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        yield ranks, device
+    finally:
+        leave()
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from harness import tracking
     from harness.train import prepare_workspace, train
@@ -158,18 +216,23 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(json.dumps(dry_run(config, args.workdir), indent=2))
         return 0
     planned_draft(config, args.workdir)
-    workspace = prepare_workspace(config, args.workdir, args.device)
-    result = train(
-        config,
-        workspace,
-        run_name=args.run_name,
-        resume=args.resume,
-        device=args.device,
-        system_metrics=args.system_metrics,
-    )
-    print(json.dumps({k: round(v, 4) for k, v in result.validation.items() if "position" not in k}, indent=2))
-    print(f"MLflow run {result.run_id}; outputs in {result.run_dir}")
-    print(tracking.ui_hint(args.workdir, tracking.DEFAULT_EXPERIMENT))
+    if (relaunched := relaunch_under_torchrun(args)) is not None:
+        return relaunched
+    with joined(args) as (ranks, device):
+        workspace = prepare_workspace(config, args.workdir, device, ranks)
+        result = train(
+            config,
+            workspace,
+            run_name=args.run_name,
+            resume=args.resume,
+            device=device,
+            system_metrics=args.system_metrics,
+            ranks=ranks,
+        )
+    if ranks.is_main:
+        print(json.dumps({k: round(v, 4) for k, v in result.validation.items() if "position" not in k}, indent=2))
+        print(f"MLflow run {result.run_id}; outputs in {result.run_dir}")
+        print(tracking.ui_hint(args.workdir, tracking.DEFAULT_EXPERIMENT))
     return 0
 
 
@@ -182,7 +245,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(json.dumps(cache_plan(config, draft, args.workdir), indent=2))
         return 0
-    workspace = prepare_workspace(config, args.workdir, args.device)
+    if (relaunched := relaunch_under_torchrun(args)) is not None:
+        return relaunched
+    with joined(args) as (ranks, device):
+        workspace = prepare_workspace(config, args.workdir, device, ranks)
+    if not ranks.is_main:
+        return 0
     print(
         f"target {workspace.target.name} ({workspace.target.weights_hash}), mask "
         f"token {workspace.target.mask_token_id}: {workspace.target.mask_token_reason}"
@@ -290,6 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="print resolved knobs, draft config and parameter counts; load nothing"
     )
     add_system_metrics(train)
+    add_distributed_options(train)
     train.set_defaults(handler=cmd_train)
 
     prepare = commands.add_parser(
@@ -302,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument(
         "--dry-run", action="store_true", help="print the feature cache's estimated size against the free disk"
     )
+    add_distributed_options(prepare)
     prepare.set_defaults(handler=cmd_prepare)
 
     export = commands.add_parser(
@@ -355,7 +425,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.argv = argv
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -46,5 +46,9 @@ def autocast(device: str | torch.device, precision: str):
     bf16 on CPU is about 2x faster where the CPU has native bf16 (AVX512-BF16/AMX), much slower elsewhere.
     """
     device_type = torch.device(device).type
-    bf16 = precision == "bf16" or (precision == "auto" and device_type == "cuda")
-    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16)
+    return torch.autocast(device_type, dtype=torch.bfloat16, enabled=uses_bf16(device, precision))
+
+
+def uses_bf16(device: str | torch.device, precision: str) -> bool:
+    """Whether `precision` on `device` computes in bf16 (`auto`: on CUDA)."""
+    return precision == "bf16" or (precision == "auto" and torch.device(device).type == "cuda")

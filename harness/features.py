@@ -16,12 +16,20 @@ from tqdm.auto import tqdm
 from algorithms.blocks import PackedRow
 from harness.data import Document, pack_documents, pack_row, stable_hash
 from harness.devices import ids_on, model_device
-from harness.files import atomic_write
+from harness.distributed import SINGLE, Ranks
+from harness.files import atomic_write, remove
 from harness.targets import file_sha256
 
 log = logging.getLogger(__name__)
 DOCS_PER_SHARD = 64
-FEATURE_DTYPE, FINAL_DTYPE = torch.bfloat16, torch.float32  # per token: the selected layers, the final state
+FEATURE_DTYPE = torch.bfloat16  # per token, the selected layers
+# The final hidden state keeps fp32 unless the target itself is bf16, which has no more bits to keep.
+FINAL_DTYPES = {"bfloat16": torch.bfloat16}
+
+
+def final_dtype(target_dtype: str) -> torch.dtype:
+    """How the cache stores the final hidden state of a target whose own weights are `target_dtype`."""
+    return FINAL_DTYPES.get(target_dtype, torch.float32)
 
 
 class CorruptFeatureCache(RuntimeError):
@@ -30,7 +38,8 @@ class CorruptFeatureCache(RuntimeError):
 
 @dataclass
 class FeatureCache:
-    """Per-document target features ([L, n_T*H] bf16) and final hidden states ([L, H] fp32) on disk."""
+    """Per-document target features ([L, n_T*H] bf16) and final hidden states ([L, H] fp32, or bf16 for a bf16
+    target) on disk."""
 
     directory: Path
     manifest: dict
@@ -66,12 +75,13 @@ class OnlineFeatures:
             out = model(
                 input_ids=ids_on(self.documents[index].input_ids, model_device(model)), output_hidden_states=True
             )
-        return stored(target_features(out.hidden_states, self.layer_ids)[0], out.hidden_states[-1][0])
+        features = target_features(out.hidden_states, self.layer_ids)[0]
+        return stored(features, out.hidden_states[-1][0], final_dtype(self.target.dtype))
 
 
-def stored(features: torch.Tensor, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A document's features as the cache keeps them (and online mode hands them over): bf16 and fp32."""
-    return features.to(FEATURE_DTYPE), final.to(FINAL_DTYPE)
+def stored(features: torch.Tensor, final: torch.Tensor, final_as: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A document's features as the cache keeps them (and online mode hands them over)."""
+    return features.to(FEATURE_DTYPE), final.to(final_as)
 
 
 def fill(row: PackedRow, members: list[int], source: FeatureSource, offset: int) -> PackedRow:
@@ -99,14 +109,21 @@ def document_rows(source: FeatureSource, offset: int, documents: list[Document])
     return [fill(pack_row([doc], len(doc.input_ids)), [i], source, offset) for i, doc in enumerate(documents)]
 
 
-def estimated_bytes(tokens: int, hidden_size: int, num_layers: int) -> int:
-    """Disk a cache of `tokens` needs: the selected layers in bf16 plus the final hidden state in fp32."""
-    return tokens * hidden_size * (num_layers * FEATURE_DTYPE.itemsize + FINAL_DTYPE.itemsize)
+def estimated_bytes(tokens: int, hidden_size: int, num_layers: int, target_dtype: str) -> int:
+    """Disk a cache of `tokens` needs: the selected layers in bf16 plus the final hidden state."""
+    return tokens * hidden_size * (num_layers * FEATURE_DTYPE.itemsize + final_dtype(target_dtype).itemsize)
 
 
-def cache_key(target_hash: str, dataset_hash: str, layer_ids: list[int], max_length: int) -> str:
+def cache_key(target_hash: str, dataset_hash: str, layer_ids: list[int], max_length: int, final: torch.dtype) -> str:
+    """What the cache's content depends on (never the number of ranks that extracted it)."""
     return stable_hash(
-        {"target": target_hash, "dataset": dataset_hash, "layers": list(layer_ids), "max_length": max_length}
+        {
+            "target": target_hash,
+            "dataset": dataset_hash,
+            "layers": list(layer_ids),
+            "max_length": max_length,
+            "final_dtype": str(final).removeprefix("torch."),
+        }
     )
 
 
@@ -123,53 +140,84 @@ def target_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int
 
 
 @torch.no_grad()
-def extract(target, documents: list[Document], layer_ids: list[int], directory: Path, batch_size: int = 8) -> dict:
-    """One pass of the target per document (no cross-document attention), written shard by shard."""
+def extract(
+    target,
+    documents: list[Document],
+    layer_ids: list[int],
+    directory: Path,
+    batch_size: int = 8,
+    ranks: Ranks = SINGLE,
+) -> dict:
+    """One pass of the target per document (no cross-document attention), written shard by shard; under
+    torchrun each rank writes every world_size-th shard, and rank 0 the manifest once all are written. The shards
+    do not depend on who wrote them, so the checksums equal a one-process extraction's."""
     manifest: dict = {}
-    atomic_write(directory, lambda tmp: manifest.update(_extract_into(tmp, target, documents, layer_ids, batch_size)))
-    return manifest
+    write = lambda tmp: manifest.update(_extract_into(tmp, target, documents, layer_ids, batch_size, ranks))  # noqa: E731
+    if ranks.is_main:
+        atomic_write(directory, write)
+    else:
+        write(None)
+    ranks.barrier()  # the cache is in place before any rank reads it
+    return ranks.from_main(manifest)
 
 
-def _extract_into(tmp: Path, target, documents: list[Document], layer_ids: list[int], batch_size: int) -> dict:
-    tmp.mkdir(parents=True)
-    device = next(target.model.parameters()).device
-    shards, doc_to_shard = [], []
-    tokens = sum(len(d.input_ids) for d in documents)
-    with tqdm(total=tokens, desc="extracting target features", unit="tok") as bar:
-        for shard_start in range(0, len(documents), DOCS_PER_SHARD):
+def _extract_into(
+    tmp: Path | None, target, documents: list[Document], layer_ids: list[int], batch_size: int, ranks: Ranks
+) -> dict:
+    if ranks.is_main:
+        remove(tmp)
+        tmp.mkdir(parents=True)
+    tmp = ranks.from_main(tmp)
+    final_as = final_dtype(target.dtype)
+    starts = range(0, len(documents), DOCS_PER_SHARD)
+    mine = [starts[i] for i in ranks.indices(len(starts))]
+    tokens = sum(len(d.input_ids) for start in mine for d in documents[start : start + DOCS_PER_SHARD])
+    shards = {}
+    with tqdm(total=tokens, desc="extracting target features", unit="tok", disable=not ranks.is_main) as bar:
+        for shard_start in mine:
+            shard = documents[shard_start : shard_start + DOCS_PER_SHARD]
             tensors = {}
-            for start in range(shard_start, min(shard_start + DOCS_PER_SHARD, len(documents)), batch_size):
-                batch = documents[start : min(start + batch_size, shard_start + DOCS_PER_SHARD, len(documents))]
-                width = max(len(d.input_ids) for d in batch)
-                ids = torch.zeros(len(batch), width, dtype=torch.long)
-                attention = torch.zeros(len(batch), width, dtype=torch.long)
-                for row, doc in enumerate(batch):
-                    ids[row, : len(doc.input_ids)] = torch.tensor(doc.input_ids)
-                    attention[row, : len(doc.input_ids)] = 1
-                out = target.model(
-                    input_ids=ids.to(device), attention_mask=attention.to(device), output_hidden_states=True
-                )
-                hidden = out.hidden_states  # [0] embeddings ... [n] post-final-norm
-                features = target_features(hidden, layer_ids)
-                for row, doc in enumerate(batch):
-                    size = len(doc.input_ids)
-                    index = start + row
-                    kept = stored(features[row, :size], hidden[-1][row, :size])
-                    tensors[f"doc{index}.features"], tensors[f"doc{index}.final"] = (t.cpu().contiguous() for t in kept)
-                    bar.update(size)
-            name = f"shard-{len(shards):05d}.safetensors"
+            for start in range(0, len(shard), batch_size):
+                batch = shard[start : start + batch_size]
+                for offset, kept in enumerate(_batch_features(target, batch, layer_ids, final_as)):
+                    index = shard_start + start + offset
+                    tensors[f"doc{index}.features"], tensors[f"doc{index}.final"] = kept
+                bar.update(sum(len(d.input_ids) for d in batch))
+            number = shard_start // DOCS_PER_SHARD
+            name = f"shard-{number:05d}.safetensors"
             save_file(tensors, tmp / name)
-            shards.append({"file": name, "bytes": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)})
-            doc_to_shard += [len(shards) - 1] * (len(tensors) // 2)
+            shards[number] = {"file": name, "bytes": (tmp / name).stat().st_size, "sha256": file_sha256(tmp / name)}
+    for part in ranks.gather(shards):
+        shards.update(part)
     manifest = {
         "layer_ids": list(layer_ids),
         "num_documents": len(documents),
-        "tokens": tokens,
-        "shards": shards,
-        "documents": doc_to_shard,
+        "tokens": sum(len(d.input_ids) for d in documents),
+        "final_dtype": str(final_as).removeprefix("torch."),
+        "shards": [shards[number] for number in range(len(starts))],
+        "documents": [index // DOCS_PER_SHARD for index in range(len(documents))],
     }
-    (tmp / "manifest.json").write_text(json.dumps(manifest))
+    if ranks.is_main:
+        (tmp / "manifest.json").write_text(json.dumps(manifest))
     return manifest
+
+
+def _batch_features(target, batch: list[Document], layer_ids: list[int], final_as: torch.dtype):
+    """Each document's (features, final) on the host, from one padded forward of the batch."""
+    device = next(target.model.parameters()).device
+    width = max(len(d.input_ids) for d in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    attention = torch.zeros(len(batch), width, dtype=torch.long)
+    for row, doc in enumerate(batch):
+        ids[row, : len(doc.input_ids)] = torch.tensor(doc.input_ids)
+        attention[row, : len(doc.input_ids)] = 1
+    out = target.model(input_ids=ids.to(device), attention_mask=attention.to(device), output_hidden_states=True)
+    hidden = out.hidden_states  # [0] embeddings ... [n] post-final-norm
+    features = target_features(hidden, layer_ids)
+    for row, doc in enumerate(batch):
+        size = len(doc.input_ids)
+        kept = stored(features[row, :size], hidden[-1][row, :size], final_as)
+        yield tuple(t.cpu().contiguous() for t in kept)
 
 
 def load_or_build(
@@ -180,29 +228,39 @@ def load_or_build(
     max_length: int,
     cache_dir: Path,
     on_corrupt: str = "rebuild",
+    ranks: Ranks = SINGLE,
 ) -> tuple[FeatureCache, bool]:
-    """The cache for (target, data, layers, max length); builds it on a miss. Returns (cache, was_hit).
+    """The cache for (target, data, layers, max length); builds it on a miss (under torchrun, every rank a share
+    of it). Returns (cache, was_hit).
 
     A corrupt or partial cache is never used: it is rebuilt (`on_corrupt="rebuild"`) or raises.
     """
-    directory = cache_dir / "features" / cache_key(target.weights_hash, dataset_hash, layer_ids, max_length)
-    manifest_path = directory / "manifest.json"
-    if manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
-        try:
-            verify(directory, manifest)
-            log.info(
-                "feature cache hit: %s (%d documents, %d tokens)",
-                directory,
-                manifest["num_documents"],
-                manifest["tokens"],
-            )
-            return FeatureCache(directory, manifest), True
-        except CorruptFeatureCache as error:
-            if on_corrupt != "rebuild":
-                raise CorruptFeatureCache(
-                    f"{error}; delete {directory} or run `dflash-lab prepare` to rebuild it"
-                ) from None
-            log.warning("%s; rebuilding the feature cache", error)
+    key = cache_key(target.weights_hash, dataset_hash, layer_ids, max_length, final_dtype(target.dtype))
+    directory = cache_dir / "features" / key
+    found = ranks.from_main(_verified(directory, on_corrupt) if ranks.is_main else None)
+    if isinstance(found, str):
+        raise CorruptFeatureCache(found)
+    if found is not None:
+        return FeatureCache(directory, found), True
     log.info("feature cache miss: extracting %d documents into %s", len(documents), directory)
-    return FeatureCache(directory, extract(target, documents, layer_ids, directory)), False
+    return FeatureCache(directory, extract(target, documents, layer_ids, directory, ranks=ranks)), False
+
+
+def _verified(directory: Path, on_corrupt: str) -> dict | str | None:
+    """The cache's manifest when the cache is whole; None when missing (or corrupt, to rebuild); the error
+    when corrupt and not to be rebuilt."""
+    manifest_path = directory / "manifest.json"
+    if not manifest_path.exists():
+        return None
+    manifest = json.loads(manifest_path.read_text())
+    try:
+        verify(directory, manifest)
+    except CorruptFeatureCache as error:
+        if on_corrupt != "rebuild":
+            return f"{error}; delete {directory} or run `dflash-lab prepare` to rebuild it"
+        log.warning("%s; rebuilding the feature cache", error)
+        return None
+    log.info(
+        "feature cache hit: %s (%d documents, %d tokens)", directory, manifest["num_documents"], manifest["tokens"]
+    )
+    return manifest

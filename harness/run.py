@@ -170,6 +170,10 @@ class Run:
         mlflow.log_figure(figure, file_name)
         plt.close(figure)
 
+    def tag_world_size(self, world_size: int) -> None:
+        """The data-parallel ranks of the latest (re)start: a tag, since a resume may change it."""
+        mlflow.set_tag(tracking.TAG_WORLD_SIZE, str(world_size))
+
     def describe(self, text: str) -> None:
         """The one line the runs table shows in its Description column."""
         mlflow.set_tag(tracking.TAG_NOTE, text)

@@ -35,6 +35,7 @@ class Target:
     spec: TargetSpec
     mask_token_id: int
     mask_token_reason: str
+    dtype: str = "float32"  # the dtype of the target's own weights (its config's); it runs in fp32 here
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -146,7 +147,7 @@ def choose_mask_token(tokenizer, explicit: int | None, vocab_size: int) -> tuple
 
 def load_target(name_or_path: str, cache_dir: Path, mask_token_id: int | None = None, device: str = "cpu") -> Target:
     """Load a frozen target by embedded name, local path or hub id (hub ids need network access)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path in EMBEDDED_TARGETS:
         gguf = embedded_gguf_path(name_or_path)
@@ -169,7 +170,14 @@ def load_target(name_or_path: str, cache_dir: Path, mask_token_id: int | None = 
     tokenizer = AutoTokenizer.from_pretrained(source)
     spec = target_spec(model.config, name_or_path)
     mask_id, reason = choose_mask_token(tokenizer, mask_token_id, spec.vocab_size)
-    return Target(name_or_path, source, weights_hash[:16], model, tokenizer, spec, mask_id, reason)
+    dtype = native_dtype(AutoConfig.from_pretrained(source))
+    return Target(name_or_path, source, weights_hash[:16], model, tokenizer, spec, mask_id, reason, dtype)
+
+
+def native_dtype(config) -> str:
+    """The dtype a model's config declares for its weights (`dtype`, formerly `torch_dtype`), as a name."""
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    return str(declared).removeprefix("torch.")
 
 
 def target_config(name_or_path: str, cache_dir: Path):

@@ -8,6 +8,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,8 @@ from algorithms.metrics import (
 from harness import tracking
 from harness.config import ONLINE_FEATURES, RunConfig
 from harness.data import PreparedData, prepare_documents
-from harness.devices import autocast, generator, synchronize, to_device
+from harness.devices import autocast, generator, synchronize, to_device, uses_bf16
+from harness.distributed import SINGLE, Ranks, full_state, load_full_state, plain_number, shard, unsharded_copy
 from harness.features import FeatureSource, OnlineFeatures, document_rows, fill, load_or_build, packed_rows
 from harness.files import atomic_write, remove_stale_temporaries
 from harness.plots import per_position_figure
@@ -39,6 +41,7 @@ from harness.run import CONFIG_FILE, PER_POSITION_FIGURE, PER_POSITION_FILE, VAL
 from harness.targets import Target, load_target
 from harness.tracking import RunStatus
 from harness.validation import (
+    Validation,
     per_position_rows,
     pooled_counts,
     summary_line,
@@ -79,27 +82,40 @@ class Workspace:
         return fill(dataclasses.replace(row), self.train_members[index], self.features, len(self.data.validation))
 
 
-def prepare_workspace(config: RunConfig, workdir: Path, device: str = "cpu") -> Workspace:
+def prepare_workspace(config: RunConfig, workdir: Path, device: str = "cpu", ranks: Ranks = SINGLE) -> Workspace:
     """Target, regenerated data and the features for `config`: the cache (the target runs only on a miss), or
-    the target itself in online mode, which writes nothing and computes training rows' features per step."""
-    for cache in ("targets", "data", "features"):
-        remove_stale_temporaries(workdir / cache)
-    target = load_target(config.target, workdir, config.algorithm.shared.mask_token_id, device)
+    the target itself in online mode, which writes nothing and computes training rows' features per step.
+
+    Under torchrun rank 0 converts the target and regenerates the data first, then the other ranks read them;
+    a missing cache is extracted by all ranks together."""
+    if ranks.is_main:
+        for cache in ("targets", "data", "features"):
+            remove_stale_temporaries(workdir / cache)
+        target, data = _target_and_data(config, workdir, device)
+    ranks.barrier()
+    if not ranks.is_main:
+        target, data = _target_and_data(config, workdir, device)
     layer_ids = config.algorithm.shared.resolve_target_layer_ids(target.spec.num_hidden_layers)
-    data = prepare_documents(target, config.data, workdir)
     documents = data.validation + data.train
     online = config.train.features == ONLINE_FEATURES
     if online:
         features, hit = OnlineFeatures(target, documents, layer_ids), False
         log.info("online features: the target computes them inside each training step; no cache is written")
     else:
-        features, hit = load_or_build(target, documents, data.dataset_hash, layer_ids, config.data.max_length, workdir)
+        features, hit = load_or_build(
+            target, documents, data.dataset_hash, layer_ids, config.data.max_length, workdir, ranks=ranks
+        )
     validation_rows, _ = packed_rows(features, 0, data.validation, config.data.row_length)
     train_rows, members = packed_rows(
         features, len(data.validation), data.train, config.data.row_length, with_features=not online
     )
     validation_documents = document_rows(features, 0, data.validation)
     return Workspace(workdir, target, data, features, hit, train_rows, validation_rows, validation_documents, members)
+
+
+def _target_and_data(config: RunConfig, workdir: Path, device: str) -> tuple[Target, PreparedData]:
+    target = load_target(config.target, workdir, config.algorithm.shared.mask_token_id, device)
+    return target, prepare_documents(target, config.data, workdir)
 
 
 def with_target_defaults(config: RunConfig, target: Target) -> RunConfig:
@@ -180,17 +196,26 @@ class LossWatch:
         self.last_loss = float("nan")
 
     def record(self, step: int, loss: torch.Tensor) -> None:
+        """`loss`: this rank's part of the step's loss (the whole loss in one process)."""
         bad = ~torch.isfinite(loss) & (self.first_bad_step == 0)
         self.first_bad_step = torch.where(bad, step, self.first_bad_step)
         self.bad_value = torch.where(bad, loss.float(), self.bad_value)
         self.any_nonzero |= loss != 0
         self.loss = loss
 
-    def check(self, checkpoint: Path) -> None:
-        """Raise on a non-finite loss since the last check, before anything is logged or saved."""
-        step, value, self.last_loss = int(self.first_bad_step), float(self.bad_value), float(self.loss)
-        if step:
-            raise NonFiniteLoss(f"non-finite loss {value} at step {step}; last good checkpoint kept at {checkpoint}")
+    def check(self, checkpoint: Path, ranks: Ranks = SINGLE) -> None:
+        """Raise on a non-finite loss since the last check (on any rank, so all ranks stop together), before
+        anything is logged or saved."""
+        state = [self.first_bad_step, self.bad_value, self.any_nonzero, self.loss]
+        per_rank = [s.tolist() for s in ranks.gather(torch.stack([t.double() for t in state]).cpu())]
+        bad = [(step, value) for step, value, *_ in per_rank if step]
+        self.any_nonzero.fill_(any(nonzero for _, _, nonzero, _ in per_rank))
+        self.last_loss = sum(loss for *_, loss in per_rank)  # the ranks' weighted parts of the batch's loss
+        if bad:
+            step, value = min(bad)
+            raise NonFiniteLoss(
+                f"non-finite loss {value} at step {int(step)}; last good checkpoint kept at {checkpoint}"
+            )
 
     def all_zero(self, first: int, last: int) -> bool:
         return last > first and not bool(self.any_nonzero)
@@ -206,8 +231,10 @@ class TrainingRecipe:
     The recipe owns the model, optimizer and schedule; the `Run` owns the directory and MLflow.
     """
 
-    def __init__(self, config: RunConfig, workspace: Workspace, run: Run, device: str = "cpu") -> None:
-        self.config, self.workspace, self.run, self.device = config, workspace, run, device
+    def __init__(
+        self, config: RunConfig, workspace: Workspace, run: Run, device: str = "cpu", ranks: Ranks = SINGLE
+    ) -> None:
+        self.config, self.workspace, self.run, self.device, self.ranks = config, workspace, run, device, ranks
         self.shared = config.algorithm.shared
         self.start_step = 0
         self.history: list[dict] = []
@@ -216,10 +243,18 @@ class TrainingRecipe:
         self.setup()
 
     def setup(self) -> None:
-        """A fresh draft, optimizer, schedule and anchor stream, all seeded by the training seed."""
+        """A fresh draft (sharded over the ranks), optimizer, schedule and anchor stream, all seeded by the
+        training seed: every rank starts from the same weights. Under torchrun each rank also keeps an unsharded
+        replica, refreshed before each validation, which validation and inference run on."""
         train = self.config.train
         torch.manual_seed(train.seed)
-        self.draft = build_for_target(self.config, self.workspace.target).to(self.device)
+        draft = build_for_target(self.config, self.workspace.target).to(self.device)
+        self.replica = draft
+        if self.ranks.distributed:
+            with torch.random.fork_rng(devices=[]):
+                self.replica = build_for_target(self.config, self.workspace.target).to(self.device)
+            self.replica.embed_weight, self.replica.head_weight = draft.embed_weight, draft.head_weight  # frozen
+        self.draft = shard(draft, self.ranks, uses_bf16(self.device, train.precision))
         self.optimizer = torch.optim.AdamW(
             [p for p in self.draft.parameters() if p.requires_grad],
             lr=train.learning_rate,
@@ -234,32 +269,46 @@ class TrainingRecipe:
         self.tokens_since_log: tuple[int, int] = (0, 0)
 
     def resume(self) -> None:
-        """Continue from the run's checkpoint, which must come from the same config."""
-        state = self.run.load_checkpoint()
-        if state["config"] != self.config.to_dict():
-            stored, current = RunConfig.from_dict(state["config"]).flat_params(), self.config.flat_params()
-            changed = sorted(k for k, v in current.items() if stored.get(k) != v)
-            first = changed[0] if changed else "?"
-            raise ValueError(
-                f"invalid --resume of {self.run.name!r}: {first}={current.get(first)!r}, but its checkpoint was "
-                f"trained with {stored.get(first)!r} (changed: {changed}); "
-                "allowed the same config, or another --run-name"
-            )
-        self.draft.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Continue from the run's checkpoint, which must come from the same config; any world size may
+        resume it (rank 0 reads it and hands every rank its part)."""
+        state = self.run.load_checkpoint() if self.ranks.is_main else {}
+        error = self.config_change(state) if self.ranks.is_main else None
+        error = self.ranks.from_main(error)
+        if error:
+            raise ValueError(error)
+        load_full_state(self.draft, self.optimizer, state.get("model", {}), state.get("optimizer", {}), self.ranks)
+        small = self.ranks.from_main({k: v for k, v in state.items() if k not in ("model", "optimizer")})
+        state = {**state, **small}
+        self.run.run_id = state["run_id"]
         self.schedule.load_state_dict(state["scheduler"])
         self.anchor_generator.set_state(state["anchor_generator"])
         self.start_step, self.history = state["step"], state["history"]
         self.unflushed = [entry for entry in state.get("pending_metrics", []) if entry[0]]
         log.info("resuming %s at step %d (MLflow run %s)", self.run.name, self.start_step, self.run.run_id)
 
+    def config_change(self, state: dict) -> str | None:
+        """Why a checkpoint's config does not match this run's, or None."""
+        if state["config"] == self.config.to_dict():
+            return None
+        stored, current = RunConfig.from_dict(state["config"]).flat_params(), self.config.flat_params()
+        changed = sorted(k for k, v in current.items() if stored.get(k) != v)
+        first = changed[0] if changed else "?"
+        return (
+            f"invalid --resume of {self.run.name!r}: {first}={current.get(first)!r}, but its checkpoint was "
+            f"trained with {stored.get(first)!r} (changed: {changed}); allowed the same config, or another --run-name"
+        )
+
     def save(self, step: int) -> None:
         """Checkpoint, then the metrics logged up to it. The checkpoint carries them too: a kill between
-        the two leaves them to the resume (`log_unflushed`), which logs only those MLflow lacks."""
+        the two leaves them to the resume (`log_unflushed`), which logs only those MLflow lacks.
+        Under torchrun every rank gathers its shards to rank 0, which alone writes (one world-size-free file)."""
+        model, optimizer = full_state(self.draft, self.optimizer, self.ranks)
+        if not self.ranks.is_main:
+            return
         self.run.save_checkpoint(
             {
-                "model": self.draft.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                "model": model,
+                "optimizer": optimizer,
                 "scheduler": self.schedule.state_dict(),
                 "anchor_generator": self.anchor_generator.get_state(),
                 "step": step,
@@ -291,7 +340,11 @@ class TrainingRecipe:
     def step(self, step: int) -> StepOutput:
         """One optimizer step that never waits for the device: the row and its anchors are drawn on the host and
         moved once (with the anchors' host view, which slices the attention tiles); the loss, grad norm and
-        metric counts stay on the device until `check` reads them."""
+        metric counts stay on the device until `check` reads them.
+
+        Every rank draws the same row and anchors and trains on its own every-world_size-th anchors, with its
+        loss weighted by its share of the batch's supervised positions: the ranks' gradients (which FSDP
+        averages) add up to the one-process gradient of the whole batch, and so do their metric counts."""
         row = self.training_row(step)
         anchors = sample_anchors(
             row.loss_mask, row.document_ids, self.shared.block_size, self.shared.max_anchors, self.anchor_generator
@@ -301,12 +354,16 @@ class TrainingRecipe:
             draft_tokens + int(anchors.valid.sum()) * self.shared.block_size,
             feature_tokens + row.length,
         )
+        ranks, share = self.ranks, 1.0
+        if ranks.distributed:
+            part = anchors.strided(ranks.rank, ranks.world_size)
+            anchors, share = part, self.replica.batch_share(row, anchors, part)
         row, anchors = to_device(row, anchors, self.device)
         with autocast(self.device, self.config.train.precision):
             output = self.draft.training_forward(row, anchors)
-        self.watch.record(step + 1, output.loss.detach())
+        self.watch.record(step + 1, output.loss.detach() * share)
         self.optimizer.zero_grad(set_to_none=True)
-        output.loss.backward()
+        (output.loss * (share * ranks.world_size)).backward()
         self.grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.train.grad_clip)
         self.optimizer.step()
         self.schedule.step()
@@ -319,7 +376,7 @@ class TrainingRecipe:
         self.tokens_since_log, self.logged_at = (0, 0), time.perf_counter()
         return {
             "lr": self.schedule.get_last_lr()[0],
-            "grad_norm": float(self.grad_norm),
+            "grad_norm": plain_number(self.grad_norm),
             "draft_tokens_per_s": draft_tokens / elapsed,
             "target_feature_tokens_per_s": feature_tokens / elapsed,
         }
@@ -327,33 +384,46 @@ class TrainingRecipe:
     def validate(self, step: int) -> dict[str, float]:
         """The fixed subset of anchors before the last step; every anchor of every document at the last one,
         whose per-document pairs are kept for the intervals (`val/num_anchors` says which set each step used)."""
-        train, workspace = self.config.train, self.workspace
+        train, workspace, ranks = self.config.train, self.workspace, self.ranks
+        draft = unsharded_copy(self.draft, self.replica, ranks)
         if step < train.max_steps:
-            validation = validate_subset(self.draft, workspace.validation_rows, self.device, train.precision)
+            validation = validate_subset(draft, workspace.validation_rows, self.device, train.precision, ranks)
         else:
             started = time.perf_counter()
             validation = validate_documents(
-                self.draft, workspace.validation_documents, self.device, train.precision, train.final_validation_cap
+                draft, workspace.validation_documents, self.device, train.precision, train.final_validation_cap, ranks
             )
             validation.values[FINAL_VALIDATION_S] = time.perf_counter() - started  # its cost, visible in the UI
-            atomic_write(
-                self.run.path(VALIDATION_DOCUMENTS_FILE), lambda tmp: validation.documents.to_csv(tmp, index=False)
-            )
+            self.write_documents(validation)
         self.log_metrics(validation.values, tracking.VAL_PREFIX, step)
         self.history.append({"step": step, **validation.values})
         return validation.values
+
+    def write_documents(self, validation: Validation) -> None:
+        if self.ranks.is_main:
+            atomic_write(
+                self.run.path(VALIDATION_DOCUMENTS_FILE), lambda tmp: validation.documents.to_csv(tmp, index=False)
+            )
 
     def log_metrics(self, values: dict[str, float], prefix: str, step: int) -> None:
         """Held until the next checkpoint: MLflow never holds a step that a resume would log again."""
         self.pending_metrics.append((values, prefix, step))
 
     def flush_metrics(self) -> None:
+        if not self.ranks.is_main:  # the same values on every rank; rank 0 owns the MLflow run
+            self.pending_metrics = []
+            return
         for values, prefix, step in self.pending_metrics:
             self.run.log_metrics(values, prefix, step)
         self.pending_metrics = []
 
     def log_start(self) -> None:
-        """What a run starting at step 0 records: config, params and the untrained validation."""
+        """What a run starting at step 0 records: config, params (rank 0) and the untrained validation."""
+        if self.ranks.is_main:
+            self.log_config()
+        self.validate(0)
+
+    def log_config(self) -> None:
         workspace, config_path = self.workspace, self.run.path(CONFIG_FILE)
         config_path.write_text(json.dumps(self.config.to_dict(), indent=2))
         self.run.log_params(
@@ -371,7 +441,6 @@ class TrainingRecipe:
         self.run.log_datasets(
             workspace.data.dataset_id, workspace.data.dataset_hash, workspace.workdir / "data", ("train", "validation")
         )
-        self.validate(0)
 
     def train(self, on_validation: ValidationHook | None = None) -> TrainResult:
         """Steps from the start (or the checkpoint) to max_steps, validating, logging and saving on schedule.
@@ -381,7 +450,13 @@ class TrainingRecipe:
         train, steps = self.config.train, self.config.train.max_steps
         counts: MetricCounts = {}
         validation = self.history[-1] if self.history else {}
-        bar = tqdm(range(self.start_step, steps), initial=self.start_step, total=steps, desc=f"train {self.run.name}")
+        bar = tqdm(
+            range(self.start_step, steps),
+            initial=self.start_step,
+            total=steps,
+            desc=f"train {self.run.name}",
+            disable=not self.ranks.is_main,
+        )
         self.logged_at = time.perf_counter()
         for step in bar:
             output = self.step(step)
@@ -391,14 +466,14 @@ class TrainingRecipe:
             validating = done % train.eval_every == 0 or done == steps
             saving = done % train.checkpoint_every == 0 or done == steps
             if logging_now or validating or saving:
-                self.watch.check(self.run.checkpoint_path)
+                self.watch.check(self.run.checkpoint_path, self.ranks)
                 bar.set_postfix(
                     loss=f"{self.watch.last_loss:.3f}",
                     val_realized=f"{validation.get(REALIZED_ACCEPTED_LENGTH, 0):.3f}",
                 )
             if logging_now:
                 metrics = {
-                    **finalize(counts, self.shared.block_size, self.shared.first_draft_slot),
+                    **finalize(self.pooled_over_ranks(counts), self.shared.block_size, self.shared.first_draft_slot),
                     **self.step_stats(),
                 }
                 self.log_metrics(metrics, tracking.TRAIN_PREFIX, done)
@@ -413,7 +488,8 @@ class TrainingRecipe:
                         for name in (REALIZED_ACCEPTED_LENGTH, UNARY_ACCEPTED_LENGTH, ORACLE_ACCEPTED_LENGTH)
                     ),
                 )
-                stop = on_validation(done, validation) if on_validation is not None else None
+                stop = on_validation(done, validation) if on_validation is not None and self.ranks.is_main else None
+                stop = self.ranks.from_main(stop)
                 if stop:
                     bar.close()
                     self.flush_metrics()
@@ -428,14 +504,22 @@ class TrainingRecipe:
             )
         return self.result(validation)
 
+    def pooled_over_ranks(self, counts: MetricCounts) -> MetricCounts:
+        """Every rank's (sum, total) pairs added up, in one collective: the counts of the whole batch."""
+        if not self.ranks.distributed or not counts:
+            return counts
+        summed = self.ranks.sum_(torch.stack(list(counts.values())))
+        return dict(zip(counts, summed, strict=True))
+
     def result(self, validation: dict[str, float], stopped_reason: str | None = None) -> TrainResult:
+        """The result holds the unsharded draft as of the last validation (the final weights after the last)."""
         return TrainResult(
-            self.run.run_id, self.run.directory, validation, self.history, self.draft, stopped_reason=stopped_reason
+            self.run.run_id, self.run.directory, validation, self.history, self.replica, stopped_reason=stopped_reason
         )
 
     def log_finish(self, result: TrainResult) -> None:
         """Inference step time, the final validation's per-document pairs and per-position CSV, the checkpoint."""
-        step_ms = draft_step_ms(self.draft, self.workspace.validation_rows, self.device)
+        step_ms = draft_step_ms(result.draft, self.workspace.validation_rows, self.device)
         result.validation[DRAFT_STEP_MS] = step_ms
         self.run.log_metrics({DRAFT_STEP_MS: step_ms}, tracking.VAL_PREFIX, self.config.train.max_steps)
         documents = self.run.path(VALIDATION_DOCUMENTS_FILE)  # on disk: a resume after the last save has it too
@@ -462,8 +546,11 @@ def train(
     on_validation: ValidationHook | None = None,
     experiment: str = tracking.DEFAULT_EXPERIMENT,
     system_metrics: bool = False,
+    ranks: Ranks = SINGLE,
 ) -> TrainResult:
-    """Train one draft in its own run. `on_validation` may stop it early (a pruned trial)."""
+    """Train one draft in its own run. `on_validation` may stop it early (a pruned trial).
+
+    Under torchrun every rank calls this; rank 0 alone owns the run directory and the MLflow run."""
     config = with_target_defaults(config, workspace.target)
     config.validate()
     if not any(bool(row.loss_mask.any()) for row in workspace.train_rows):
@@ -472,26 +559,31 @@ def train(
             "allowed conversations with assistant turns"
         )
     run = Run(workspace.workdir, run_name or default_run_name(config), experiment, system_metrics=system_metrics)
-    if run.exists() and not resume:
+    started = ranks.from_main((run.exists(), run.has_checkpoint()) if ranks.is_main else None)
+    if started[0] and not resume:
         raise FileExistsError(
             f"{run.directory} already holds a run; pass --resume to continue it or choose another --run-name"
         )
-    recipe = TrainingRecipe(config, workspace, run, device)
-    if run.has_checkpoint():
+    recipe = TrainingRecipe(config, workspace, run, device, ranks)
+    if started[1]:
         recipe.resume()
-    elif run.exists():  # killed before its first checkpoint: the same MLflow run starts again from step 0
+    elif started[0] and ranks.is_main:  # killed before its first checkpoint: the same MLflow run restarts at 0
         run.run_id = run.recorded_run_id()
     run_tags = {
         tracking.TAG_ALGORITHM: config.algorithm.algorithm,
         tracking.TAG_ROLE: tracking.ROLE_RUN,
         **(tags or {}),
     }
-    with run.active(run_tags, parent_run_id):
+    with run.active(run_tags, parent_run_id) if ranks.is_main else nullcontext():
+        if ranks.is_main:
+            run.tag_world_size(ranks.world_size)
         if recipe.start_step == 0:
             recipe.log_start()
-        else:
+        elif ranks.is_main:
             recipe.log_unflushed()
         result = recipe.train(on_validation)
+        if not ranks.is_main:
+            return result
         if result.stopped_reason:
             run.end(RunStatus.PRUNED, result.stopped_reason)
         else:

@@ -31,6 +31,7 @@ from algorithms.metrics import (
 )
 from harness import devices
 from harness.devices import autocast, to_device
+from harness.distributed import SINGLE, Ranks
 from harness.uncertainty import ratio_estimate, t_interval, wilson
 
 DOCUMENT_COLUMN, ANCHORS_COLUMN = "document", "anchor_positions"
@@ -68,39 +69,48 @@ def _finalize(draft: DFlashDraft, counts: MetricCounts) -> dict[str, float]:
 
 
 @torch.no_grad()
-def validate_subset(draft: DFlashDraft, rows: list[PackedRow], device: str, precision: str) -> Validation:
-    """Pooled metrics on the fixed subset of anchors, for progress and pruning during training."""
+def validate_subset(
+    draft: DFlashDraft, rows: list[PackedRow], device: str, precision: str, ranks: Ranks = SINGLE
+) -> Validation:
+    """Pooled metrics on the fixed subset of anchors, for progress and pruning during training. Under torchrun
+    each rank measures its share of the rows and the counts are summed over the ranks."""
     draft.eval()
     shared, counts = draft.shared, {}
-    for index, row in enumerate(rows):
-        anchors = subset_anchors(row, index, shared.block_size, shared.max_anchors)
+    for index in ranks.indices(len(rows)):
+        anchors = subset_anchors(rows[index], index, shared.block_size, shared.max_anchors)
         with autocast(device, precision):
-            pool(counts, draft.training_forward(*to_device(row, anchors, device)).counts)
+            pool(counts, draft.training_forward(*to_device(rows[index], anchors, device)).counts)
     draft.train()
+    if ranks.distributed:
+        parts, counts = ranks.gather({name: pair.cpu() for name, pair in counts.items()}), {}
+        for part in parts:
+            pool(counts, part)
     return Validation(_finalize(draft, counts), counts)
 
 
 @torch.no_grad()
 def validate_documents(
-    draft: DFlashDraft, documents: list[PackedRow], device: str, precision: str, cap: int = 0
+    draft: DFlashDraft, documents: list[PackedRow], device: str, precision: str, cap: int = 0, ranks: Ranks = SINGLE
 ) -> Validation:
-    """Every anchor of every validation document, one forward per document; metrics with standard errors."""
+    """Every anchor of every validation document, one forward per document; metrics with standard errors.
+    Under torchrun each rank measures its share of the documents; every rank gets all of their pairs."""
     draft.eval()
-    counts: MetricCounts = {}
     records = []
-    for index, row in enumerate(documents):
+    for index in ranks.indices(len(documents)):
+        row = documents[index]
         anchors = document_anchors(row, draft.shared.block_size, cap)
         record = {DOCUMENT_COLUMN: index, ANCHORS_COLUMN: " ".join(map(str, anchors.positions.tolist()))}
         if anchors.positions.numel():
             with autocast(device, precision):
                 document_counts = draft.training_forward(*to_device(row, anchors, device)).counts
-            pool(counts, document_counts)
             host = torch.stack(list(document_counts.values())).cpu().tolist()  # one read per document
             for name, (part, total) in zip(document_counts, host, strict=True):
                 record[name + SUM_SUFFIX], record[name + TOTAL_SUFFIX] = part, total
         records.append(record)
     draft.train()
+    records = sorted((r for part in ranks.gather(records) for r in part), key=lambda r: r[DOCUMENT_COLUMN])
     frame = pd.DataFrame(records).fillna(0.0)
+    counts = pooled_counts(frame)
     values = _finalize(draft, counts)
     values[NUM_DOCUMENTS] = float(sum(1 for r in records if r[ANCHORS_COLUMN]))
     for name in HEADLINE_METRICS:

@@ -95,10 +95,12 @@ def test_qwen3_8b_recipe_dry_run_matches_spec_shapes():
     )
     assert shapes["candidate_selector.hidden_projection.weight"] == [256, hidden]
     assert not any(k.startswith(("embed_tokens", "lm_head")) for k in shapes)
-    # the feature cache this recipe would need: 50,000 conversations of at most 256 tokens, by hand
+    # the feature cache this recipe would need: 50,000 conversations of at most 256 tokens, by hand; the target
+    # is bf16, so its final hidden state is stored in bf16 too (3 layers x 2 bytes + 2 bytes per hidden unit)
     cache = report["feature_cache"]
     assert cache["tokens_at_most"] == 50_000 * 256
-    assert cache["bytes_at_most"] == 50_000 * 256 * hidden * (3 * 2 + 4) == 524_288_000_000
+    assert cache["final_hidden_dtype"] == "bfloat16"
+    assert cache["bytes_at_most"] == 50_000 * 256 * hidden * (3 * 2 + 2) == 419_430_400_000
     assert ("warning" in cache) == (cache["bytes_at_most"] > cache["free_gib"] * 2**30)
     if "warning" in cache:
         assert "--features online" in cache["warning"] and "--features online" in done.stderr

@@ -1,0 +1,159 @@
+"""Data-parallel training under torchrun (gloo, 2 CPU ranks) on the embedded target and real data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness import tracking
+from harness.run import RUN_FILE, Run, runs_root
+
+from conftest import e2e_run_config
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parent.parent
+HELPER = ROOT / "tests" / "helpers" / "patched_cli.py"
+EQUAL = 1e-5  # relative: float32 sums in another order, over 10 optimizer steps
+STEPS = 10
+FINAL_METRICS = (tracking.VAL_PREFIX, tracking.ACCEPT_PREFIX)  # val/*_s and val/draft_step_ms are timings
+TIMINGS = ("val/final_validation_s", "val/draft_step_ms")
+
+
+def dflash_lab(workdir: Path, *args: str, ranks: int = 1, timeout: float = 420, **env: str):
+    """`dflash-lab <args>` in `workdir` as `ranks` torchrun ranks (one plain process for 1), with a test fault."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"]
+    command = [*(launcher if ranks > 1 else [sys.executable]), str(HELPER), *args, "--workdir", str(workdir)]
+    environment = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks)), **env}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=environment)
+
+
+def train_args(config: Path, name: str, *more: str) -> list[str]:
+    return ["train", "--config", str(config), "--run-name", name, *more]
+
+
+@pytest.fixture(scope="module")
+def shared(e2e_workspace, e2e_workdir, tmp_path_factory):
+    """A work directory reusing the session's target, data and feature cache, and the fp32 DFlash2 config."""
+    workdir = tmp_path_factory.mktemp("distributed")
+    for cache in ("targets", "data", "features"):
+        (workdir / cache).symlink_to(e2e_workdir / cache)
+    config = workdir / "config.yaml"
+    run_config = e2e_run_config("dflash2", max_steps=STEPS, eval_every=5, checkpoint_every=3, precision="fp32")
+    config.write_text(yaml.safe_dump(run_config.to_dict()))
+    return workdir, config
+
+
+def history(workdir: Path, name: str) -> dict[str, dict[int, list[float]]]:
+    """Every metric's values per step of run `name` (a list, so a duplicated step shows)."""
+    client = tracking.client(workdir)
+    run = client.get_run(Run(workdir, name).recorded_run_id())
+    series: dict[str, dict[int, list[float]]] = {}
+    for key in run.data.metrics:
+        for point in client.get_metric_history(run.info.run_id, key):
+            series.setdefault(key, {}).setdefault(point.step, []).append(point.value)
+    return series
+
+
+def relative_gap(a: dict[int, list[float]], b: dict[int, list[float]]) -> float:
+    assert a.keys() == b.keys()
+    return max(abs(a[s][-1] - b[s][-1]) / max(abs(a[s][-1]), 1e-12) for s in a)
+
+
+@pytest.fixture(scope="module")
+def one_rank(shared):
+    workdir, config = shared
+    done = dflash_lab(workdir, *train_args(config, "one-rank"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return history(workdir, "one-rank")
+
+
+def test_two_ranks_train_like_one_in_one_run(shared, one_rank, tmp_path):
+    workdir, config = shared
+    for cache in ("targets", "data", "features"):
+        (tmp_path / cache).symlink_to(workdir / cache)
+    done = dflash_lab(tmp_path, *train_args(config, "two-ranks"), ranks=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    two = history(tmp_path, "two-ranks")
+    assert sorted(two["train/loss"]) == list(range(1, STEPS + 1))
+    assert relative_gap(one_rank["train/loss"], two["train/loss"]) < EQUAL
+    final = [k for k, series in two.items() if k.startswith(FINAL_METRICS) and STEPS in series and k not in TIMINGS]
+    assert len(final) > 30 and "accept/realized" in final and "accept/realized_se" in final
+    for key in final:
+        assert relative_gap({STEPS: one_rank[key][STEPS]}, {STEPS: two[key][STEPS]}) < EQUAL, key
+    assert two["val/num_anchors"][STEPS] == one_rank["val/num_anchors"][STEPS]
+    # one run: one run directory, one MLflow run, made by rank 0
+    assert [path.name for path in runs_root(tmp_path).iterdir()] == ["two-ranks"]
+    client = tracking.client(tmp_path)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.run_name for r in runs] == ["two-ranks"]
+    assert runs[0].data.tags[tracking.TAG_WORLD_SIZE] == "2" and runs[0].info.status == "FINISHED"
+
+
+def test_resume_across_world_sizes_continues_the_same_run(shared, one_rank):
+    """2 ranks killed after the step-3 checkpoint, resumed by 1 rank, killed after step 6, resumed by 2."""
+    workdir, config = shared
+    name = "changes-world-size"
+    legs = [(2, "5"), (1, "8"), (2, None)]
+    run_ids = []
+    for ranks, kill_at in legs:
+        fault = {"FAULT_RANK": "0", "FAULT_STEP": kill_at, "FAULT_KIND": "kill"} if kill_at else {}
+        resume = ["--resume"] if run_ids else []
+        done = dflash_lab(workdir, *train_args(config, name, *resume), ranks=ranks, **fault)
+        assert (done.returncode == 0) == (kill_at is None), done.stderr[-3000:]
+        run_ids.append(json.loads((runs_root(workdir) / name / RUN_FILE).read_text())["run_id"])
+    assert len(set(run_ids)) == 1
+    resumed = history(workdir, name)
+    assert all(len(values) == 1 for series in resumed.values() for values in series.values())  # no step twice
+    assert sorted(resumed["train/loss"]) == list(range(1, STEPS + 1))
+    assert relative_gap(one_rank["train/loss"], resumed["train/loss"]) < EQUAL
+    run = tracking.client(workdir).get_run(run_ids[0])
+    assert run.info.status == "FINISHED" and run.data.tags[tracking.TAG_WORLD_SIZE] == "2"
+
+
+def test_a_dead_rank_fails_the_run_with_a_recorded_reason(shared, tmp_path):
+    workdir, config = shared
+    for cache in ("targets", "data", "features"):
+        (tmp_path / cache).symlink_to(workdir / cache)
+    started = time.monotonic()
+    done = dflash_lab(
+        tmp_path,
+        *train_args(config, "dead-rank"),
+        ranks=2,
+        FAULT_RANK="1",
+        FAULT_STEP="2",
+        FAULT_KIND="raise",
+        timeout=300,
+    )
+    elapsed = time.monotonic() - started
+    assert done.returncode != 0
+    assert "injected fault on rank 1 at step 2" in done.stderr
+    assert elapsed < 240  # ends, not hangs: far below the 600 s collective timeout
+    run = tracking.client(tmp_path).get_run(Run(tmp_path, "dead-rank").recorded_run_id())
+    assert run.info.status == "FAILED"
+    assert run.data.tags[tracking.TAG_STATUS] == "failed"
+    assert run.data.tags[tracking.TAG_STATUS_REASON]
+
+
+def test_parallel_extraction_writes_the_same_cache(shared, tmp_path):
+    workdir, config = shared
+    manifests = []
+    for ranks in (1, 2):
+        place = tmp_path / f"ranks{ranks}"
+        place.mkdir()
+        for cache in ("targets", "data"):
+            (place / cache).symlink_to(workdir / cache)
+        done = dflash_lab(place, "prepare", "--config", str(config), ranks=ranks, DOCS_PER_SHARD="8")
+        assert done.returncode == 0, done.stderr[-3000:]
+        (cache,) = (place / "features").iterdir()
+        manifests.append((cache.name, json.loads((cache / "manifest.json").read_text())))
+    (key_one, one), (key_two, two) = manifests
+    assert key_one == key_two  # the cache key does not depend on the world size
+    assert len(one["shards"]) > 2 and one == two  # every shard's bytes and sha256 equal
