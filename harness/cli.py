@@ -175,22 +175,13 @@ def add_distributed_options(parser: argparse.ArgumentParser) -> None:
 def relaunch_under_torchrun(args: argparse.Namespace) -> int | None:
     """`--nproc-per-node N` outside torchrun: run this same command as N ranks under torchrun, return its exit
     status. None when this process is already a rank (or N is 1)."""
-    import os
-    import subprocess
-
-    from harness.distributed import launched_by_torchrun
+    from harness.distributed import launched_by_torchrun, run_ranks
 
     if args.nproc_per_node < 1:
         raise SystemExit(f"error: invalid --nproc-per-node={args.nproc_per_node}: allowed an integer >= 1")
     if args.nproc_per_node == 1 or launched_by_torchrun():
         return None
-    # torchrun pins each rank to 1 thread unless told otherwise; on the CPU the ranks share the cores instead.
-    threads = str(max(1, (os.cpu_count() or 1) // args.nproc_per_node))
-    env = {"OMP_NUM_THREADS": threads, **os.environ}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += [f"--nproc-per-node={args.nproc_per_node}", "-m", "harness.cli", *args.argv]
-    log.info("launching %d ranks: %s", args.nproc_per_node, " ".join(command))
-    return subprocess.run(command, env=env, check=False).returncode
+    return run_ranks(args.nproc_per_node, "harness.cli", args.argv)
 
 
 @contextmanager

@@ -5,9 +5,11 @@ and every helper here is then a no-op, so training has one code path.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
+import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -75,6 +77,24 @@ class Ranks:
 
 
 SINGLE = Ranks()
+
+
+def run_ranks(nproc_per_node: int, module: str, args: list[str], env: dict[str, str] | None = None) -> int:
+    """`python -m <module> <args>` as `nproc_per_node` ranks under torchrun on this machine; its exit status.
+
+    torchrun pins each rank to one thread unless told otherwise: on the CPU the ranks share the cores instead.
+    The ranks die with the calling process (Linux), so a killed study worker leaves no orphaned trial."""
+    threads = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+    environment = {"OMP_NUM_THREADS": threads, **os.environ, **(env or {})}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}"]
+    command += ["-m", module, *args]
+    log.info("launching %d ranks: %s", nproc_per_node, " ".join(command))
+    return subprocess.run(command, env=environment, check=False, preexec_fn=_die_with_parent).returncode
+
+
+def _die_with_parent() -> None:
+    if sys.platform == "linux":
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def launched_by_torchrun() -> bool:

@@ -204,24 +204,32 @@ class StudyRunner:
     claims: Claims
     device: str = "cpu"
     system_metrics: bool = False
+    storage_url: str = ""  # where a torchrun job's rank 0 finds the trial it reports to
 
     @property
     def workdir(self) -> Path:
         return self.workspace.workdir
 
-    def _run(self, config: RunConfig, run_name: str, tags: dict, on_validation=None):
-        return train(
-            config,
-            self.workspace,
+    def _run(self, config: RunConfig, run_name: str, tags: dict, trial: optuna.Trial | None = None):
+        """One run of the study, in this process or, with `nproc_per_node` > 1, as a torchrun job; `trial`
+        receives its validations and may prune it."""
+        options = dict(
             run_name=run_name,
             resume=Run(self.workdir, run_name).exists(),
-            device=self.device,
             tags={tracking.TAG_STUDY: self.definition.name, **tags},
             parent_run_id=self.parent_run_id,
-            on_validation=on_validation,
             experiment=tracking.experiment_name(self.definition.name),
             system_metrics=self.system_metrics,
         )
+        prunes = len(self.definition.objectives) == 1
+        if self.definition.nproc_per_node > 1:
+            from studies.torchrun_job import RunJob, TrialLink
+
+            link = None if trial is None else TrialLink.of(trial, self.storage_url, self.definition.pruner, prunes)
+            job = RunJob(config.to_dict(), str(self.workdir), self.device, options, link)
+            return job.launch(self.definition.nproc_per_node)
+        hook = None if trial is None else pruning_hook(trial, self.definition.pruner, prunes)
+        return train(config, self.workspace, device=self.device, on_validation=hook, **options)
 
     def run_baselines(self, wait: bool = False) -> None:
         """Each baseline with the study's pinned shared knobs, per seed, exactly once across every launcher.
@@ -262,18 +270,6 @@ class StudyRunner:
             else:
                 params[dim.knob] = trial.suggest_float(dim.knob, float(dim.low), float(dim.high), log=dim.log)
         return params
-
-    def pruning_hook(self, trial: optuna.Trial) -> ValidationHook:
-        """Report each validation to Optuna; a returned reason stops the run as pruned."""
-
-        def on_validation(step: int, metrics: dict[str, float]) -> str | None:
-            realized = metrics[REALIZED_ACCEPTED_LENGTH]
-            trial.report(realized, step)
-            if len(self.definition.objectives) == 1 and trial.should_prune():
-                return f"at step {step} by the {self.definition.pruner} rule (realized {realized:.3f})"
-            return None
-
-        return on_validation
 
     def objective(self, trial: optuna.Trial):
         params = self.suggest(trial)
@@ -316,7 +312,7 @@ class StudyRunner:
         run_name = self.trial_run(trial.user_attrs.get(ATTR_ORIGIN, trial.number), seed)
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, seed=seed))
         try:
-            result = self._run(config, run_name, tags, self.pruning_hook(trial) if first else None)
+            result = self._run(config, run_name, tags, trial if first else None)
         except Exception as error:
             trial.set_user_attr(ATTR_FAIL_REASON, f"{type(error).__name__}: {error}")
             print(f"[trial {trial.number}] failed: {type(error).__name__}: {error}", flush=True)
@@ -460,6 +456,20 @@ class StudyRunner:
         return summary
 
 
+def pruning_hook(trial: optuna.Trial, pruner: str, prunes: bool) -> ValidationHook:
+    """Report each validation to Optuna; a returned reason stops the run as pruned (`prunes`: the study has
+    one objective; Optuna cannot prune multi-objective trials)."""
+
+    def on_validation(step: int, metrics: dict[str, float]) -> str | None:
+        realized = metrics[REALIZED_ACCEPTED_LENGTH]
+        trial.report(realized, step)
+        if prunes and trial.should_prune():
+            return f"at step {step} by the {pruner} rule (realized {realized:.3f})"
+        return None
+
+    return on_validation
+
+
 def _summary(values: dict[str, float]) -> str:
     return " ".join(f"{name.split('_accepted')[0]}={values[name]:.3f}" for name in ACCEPTED_LENGTHS if name in values)
 
@@ -575,7 +585,7 @@ def launch(
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // (len(others) + 1)))
     workspace = prepare_workspace(definition.base, workdir, device)
     mlflow.set_experiment(tracking.experiment_name(definition.name))
-    runner = StudyRunner(definition, workspace, study, parent, claims, device, system_metrics)
+    runner = StudyRunner(definition, workspace, study, parent, claims, device, system_metrics, url)
     workers = spawn_workers(study_file, others, workdir, url, system_metrics) if others else []
     if not worker:
         runner.run_baselines()

@@ -77,6 +77,8 @@ class StudyDefinition:
     source_text: str = ""
     evaluate_best: int = 0  # opt-in: measured acceptance by real speculative decoding for the N best trials
     evaluation: EvalConfig = field(default_factory=EvalConfig)
+    # How each run is launched, not what it trains: >1 makes every trial and baseline a torchrun job.
+    nproc_per_node: int = 1
 
     @property
     def directions(self) -> list[str]:
@@ -144,12 +146,17 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
     missing = [f.name for f in dataclasses.fields(SharedKnobs) if f.name not in shared]
     if missing:
         raise _fail(path, "base.shared", sorted(shared), f"every shared knob pinned explicitly; missing {missing}")
+    train = dict(_require_mapping(path, "base.train", base.get("train", {})))
+    nproc_per_node = train.pop("nproc_per_node", 1)
+    if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+        raise _fail(path, "base.train.nproc_per_node", nproc_per_node, "an integer >= 1 (ranks per run)")
     try:
         run = RunConfig.from_dict(
             {
                 "target": data.get("target", "smollm2-135m"),
                 "algorithm": algorithm,
-                **{k: base.get(k, {}) for k in ("shared", "knobs", "train", "data")},
+                **{k: base.get(k, {}) for k in ("shared", "knobs", "data")},
+                "train": train,
             }
         )
         run.validate()
@@ -244,6 +251,7 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
             max_new_tokens=evaluate.get("max_new_tokens", defaults.max_new_tokens),
             temperatures=tuple(float(t) for t in temperatures),
         ),
+        nproc_per_node=nproc_per_node,
     )
 
 

@@ -157,3 +157,45 @@ def test_parallel_extraction_writes_the_same_cache(shared, tmp_path):
     (key_one, one), (key_two, two) = manifests
     assert key_one == key_two  # the cache key does not depend on the world size
     assert len(one["shards"]) > 2 and one == two  # every shard's bytes and sha256 equal
+
+
+def test_a_study_runs_each_trial_as_a_torchrun_job(e2e_workspace, e2e_workdir, tmp_path):
+    """`train.nproc_per_node: 2`: trial and baseline run on 2 ranks; rank 0 reports to the Optuna trial."""
+    import optuna
+
+    from studies.runner import ATTR_RUN_ID, storage_url
+
+    text = (ROOT / "tests" / "data" / "tiny_study.yaml").read_text()
+    for old, new in {
+        "name: tiny": "name: ranked",
+        "train: {": "train: {nproc_per_node: 2, ",
+        "conv_group_size: [16, 7]": "conv_group_size: [16]",
+        "selector_rank: [8, 16]": "selector_rank: [8]",
+        "n_trials: 4": "n_trials: 1",
+        "baselines: [dflash, dflash2_defaults]": "baselines: [dflash]",
+        "best_trials: 1": "best_trials: 0",
+    }.items():
+        assert old in text
+        text = text.replace(old, new)
+    study_file = tmp_path / "ranked.yaml"
+    study_file.write_text(text)
+    done = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "study", "launch", str(study_file), "--workdir", str(e2e_workdir)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (trial,) = optuna.load_study(study_name="ranked", storage=storage_url(e2e_workdir, None)).trials
+    assert trial.state == optuna.trial.TrialState.COMPLETE
+    assert sorted(trial.intermediate_values) == [2, 4]  # reported by rank 0 of the torchrun job
+    client = tracking.client(e2e_workdir)
+    run = client.get_run(trial.user_attrs[ATTR_RUN_ID])
+    assert run.data.tags[tracking.TAG_WORLD_SIZE] == "2" and run.info.status == "FINISHED"
+    assert trial.value == run.data.metrics["accept/realized"]
+    children = client.search_runs(
+        [run.info.experiment_id], filter_string=f"tags.{tracking.TAG_ROLE} != '{tracking.ROLE_STUDY}'"
+    )
+    assert sorted(r.data.tags[tracking.TAG_WORLD_SIZE] for r in children) == ["2", "2"]  # the trial, the baseline
+    assert not list(e2e_workdir.glob(".torchrun-job-*")), "job files are removed"

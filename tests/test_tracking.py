@@ -49,13 +49,11 @@ def test_a_pruned_run_reads_as_pruned_in_the_runs_table(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from harness.run import Run
-    from studies.runner import StudyRunner
+    from studies.runner import pruning_hook
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    definition = SimpleNamespace(objectives=["realized_accepted_length"], pruner="median")
-    runner = StudyRunner(definition, None, SimpleNamespace(pruner=None), "parent", None)
     trial = SimpleNamespace(report=lambda value, step: None, should_prune=lambda: True)
-    reason = runner.pruning_hook(trial)(40, {"realized_accepted_length": 1.12})
+    reason = pruning_hook(trial, "median", prunes=True)(40, {"realized_accepted_length": 1.12})
     assert reason == "at step 40 by the median rule (realized 1.120)"
     run = Run(tmp_path, "pruned-one", experiment="pruned-check")
     run.start({tracking.TAG_ROLE: tracking.ROLE_TRIAL})
