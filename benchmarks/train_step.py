@@ -1,6 +1,7 @@
 """Training-step speed and memory, side by side with speculators 0.9.0 on identical shapes, knobs, weights and batch.
 
     python -m benchmarks.train_step --sizes tiny medium smollm --algorithms dflash dflash2 --precisions fp32 bf16
+    python -m benchmarks.train_step --nproc-per-node 2 --sizes medium --algorithms dflash2   # scaling, SCALING.md
 
 Prints one JSON line per measurement and writes benchmarks/RESULTS.md. Losses must agree within
 1e-3 relative before anything is timed. Steps are forward + backward + grad clipping, interleaved
@@ -103,6 +104,16 @@ def their_configurations(device: str) -> list[TheirConfiguration]:
 
 def build(size: Size, algorithm: str, device: str, seed: int = 0, theirs_config: TheirConfiguration | None = None):
     """Ours and theirs with identical weights, plus one packed row and its anchors."""
+    ours, row, raw_last, anchors = build_ours(size, algorithm, device, seed)
+    theirs_config = theirs_config or their_configurations(device)[0]
+    theirs = speculators_draft(ours.cpu(), theirs_config.attention).to(device)
+    ours.to(device)
+    row, anchors = row.to(device), type(anchors)(anchors.positions.to(device), anchors.valid.to(device))
+    return ours, theirs, row, raw_last.to(device), anchors
+
+
+def build_ours(size: Size, algorithm: str, device: str, seed: int = 0):
+    """Our draft on `device`, and one packed row, its raw last hidden state and its anchors on the host."""
     torch.manual_seed(seed)
     target = TargetSpec(
         num_hidden_layers=size.target_layers,
@@ -130,9 +141,6 @@ def build(size: Size, algorithm: str, device: str, seed: int = 0, theirs_config:
     embed = torch.randn(size.vocab, size.hidden) * 0.02
     head = torch.randn(size.vocab, size.hidden) * 0.02
     ours = build_draft(AlgorithmConfig.preset(algorithm, **knobs), target, embed, head).to(device)
-    theirs_config = theirs_config or their_configurations(device)[0]
-    theirs = speculators_draft(ours.cpu(), theirs_config.attention).to(device)
-    ours.to(device)
 
     generator = devices.generator("cpu", seed)
     length, docs = size.tokens, 4
@@ -152,8 +160,7 @@ def build(size: Size, algorithm: str, device: str, seed: int = 0, theirs_config:
             norm(raw_last),
         )
     anchors = sample_anchors(row.loss_mask, row.document_ids, size.block, size.anchors, generator)
-    row, anchors = row.to(device), type(anchors)(anchors.positions.to(device), anchors.valid.to(device))
-    return ours, theirs, row, raw_last.to(device), anchors
+    return ours, row, raw_last, anchors
 
 
 def steppers(
@@ -438,6 +445,113 @@ def write_results(records: list[dict], path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def rank_throughput(
+    size_name: str, algorithm: str, device: str, precision: str, steps: int, warmup: int, output: Path
+) -> None:
+    """One rank of a scaling leg (run under torchrun): the training loop's data-parallel step (this rank's anchors,
+    FSDP2-sharded draft, optimizer step) on one fixed global batch; rank 0 writes the global query tokens/s."""
+    from harness.distributed import join, leave, shard
+    from harness.train import rank_part
+
+    ranks, device = join(device)
+    ours, row, _, anchors = build_ours(SIZES[size_name], algorithm, device)
+    part, share = rank_part(ours, row, anchors, ranks)
+    draft = shard(ours, ranks, devices.uses_bf16(device, precision))
+    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
+    row_here, part_here = devices.to_device(row, part, device)
+
+    def step() -> None:
+        with autocast(device, precision):
+            loss = draft.training_forward(row_here, part_here).loss
+        optimizer.zero_grad(set_to_none=True)
+        (loss * (share * ranks.world_size)).backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        optimizer.step()
+
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        ranks.barrier()
+        times.append(timed(step, device))
+    ranks.barrier()
+    seconds = max(ranks.gather(statistics.median(times)))  # the slowest rank sets the pace
+    if ranks.is_main:
+        tokens = int(anchors.valid.sum()) * SIZES[size_name].block
+        leg = {"ranks": ranks.world_size, "threads_per_rank": torch.get_num_threads(), "step_s": seconds}
+        output.write_text(json.dumps({**leg, "query_tokens_per_s": tokens / seconds}))
+    leave()
+
+
+def scaling(size_name: str, algorithm: str, device: str, precision: str, nproc: int, steps: int, warmup: int) -> dict:
+    """Global query tokens/s of `nproc` ranks over that of 1 rank with the same total threads, on one batch;
+    the legs alternate 1, N, 1, N so that drift on a shared machine hits both."""
+    import os
+
+    from harness.distributed import run_ranks
+
+    legs: dict[int, list[dict]] = {1: [], nproc: []}
+    for ranks in [1, nproc, 1, nproc]:
+        output = Path(os.environ.get("TMPDIR", "/tmp")) / f"scaling-{os.getpid()}-{ranks}.jsonl"
+        args = ["--rank-throughput", "--sizes", size_name, "--algorithms", algorithm, "--device", device]
+        args += [
+            "--precisions",
+            precision,
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--rank-output",
+            str(output),
+        ]
+        if run_ranks(ranks, "benchmarks.train_step", args) != 0:
+            return {"size": size_name, "algorithm": algorithm, "error": f"the {ranks}-rank leg failed"}
+        legs[ranks].append(json.loads(output.read_text()))
+        output.unlink()
+    best = {ranks: max(leg["query_tokens_per_s"] for leg in runs) for ranks, runs in legs.items()}
+    return {
+        "size": size_name,
+        "algorithm": algorithm,
+        "device": device,
+        "precision": precision,
+        "nproc_per_node": nproc,
+        "total_threads": legs[1][0]["threads_per_rank"],
+        "threads_per_rank": legs[nproc][0]["threads_per_rank"],
+        "one_rank_tokens_per_s": best[1],
+        "ranks_tokens_per_s": best[nproc],
+        "efficiency": best[nproc] / best[1],
+        "legs": legs,
+    }
+
+
+def write_scaling(records: list[dict], path: Path) -> None:
+    lines = [
+        "# Data-parallel scaling of the training step (torchrun, FSDP2)",
+        "",
+        f"- Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",
+        f"- Machine: {platform.machine()}, {platform.processor() or platform.platform()}"
+        + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", CPU only"),
+        "- Step = the training loop's data-parallel step: each rank's every-N-th anchor of one fixed global batch,",
+        "  forward + backward (gradients reduced by FSDP2) + clipping + AdamW. Legs alternate 1, N, 1, N ranks; the",
+        "  best of each is kept. Efficiency = global query tokens/s of N ranks / that of 1 rank with the same total",
+        "  threads (1.0: no loss from splitting; each rank also recomputes the shared context projections).",
+        "",
+        "| size | algorithm | device | precision | ranks | threads per rank | 1-rank tok/s | N-rank tok/s "
+        "| efficiency |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        if "error" in r:
+            lines.append(f"| {r['size']} | {r['algorithm']} | | | | | {r['error']} | | |")
+            continue
+        lines.append(
+            f"| {r['size']} | {r['algorithm']} | {r['device']} | {r['precision']} | {r['nproc_per_node']} "
+            f"| {r['threads_per_rank']} (of {r['total_threads']}) | {r['one_rank_tokens_per_s']:.0f} "
+            f"| {r['ranks_tokens_per_s']:.0f} | {r['efficiency']:.3f} |"
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["tiny", "medium", "smollm"], choices=list(SIZES))
@@ -458,11 +572,36 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="tiny size, fp32, 2 steps, results not written: checks the benchmark runs and parity holds",
     )
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        help="N > 1: measure data-parallel scaling instead (global tokens/s of N torchrun ranks over 1 rank with "
+        "the same total threads) and write benchmarks/SCALING.md",
+    )
+    parser.add_argument("--rank-throughput", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank-output", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--probe", choices=["ours", "theirs"], help=argparse.SUPPRESS)
     parser.add_argument("--theirs-config", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.smoke:
         args.sizes, args.precisions, args.steps, args.warmup = ["tiny"], ["fp32"], 2, 1
+    one = (args.sizes[0], args.algorithms[0], args.device, args.precisions[0], args.steps, args.warmup)
+    if args.rank_throughput:
+        rank_throughput(*one, args.rank_output)
+        return 0
+    if args.nproc_per_node > 1:
+        records = [
+            scaling(size, algorithm, args.device, precision, args.nproc_per_node, args.steps, args.warmup)
+            for size in args.sizes
+            for algorithm in args.algorithms
+            for precision in args.precisions
+        ]
+        for record in records:
+            print(json.dumps(record), flush=True)
+        if not args.smoke:
+            write_scaling(records, args.out.with_name("SCALING.md"))
+        return 1 if any("error" in r for r in records) else 0
     if args.probe:
         print(
             memory_probe(

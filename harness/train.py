@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from algorithms import build_draft
-from algorithms.blocks import PackedRow, sample_anchors
+from algorithms.blocks import Anchors, PackedRow, sample_anchors
 from algorithms.dflash import DFlashDraft, StepOutput
 from algorithms.metrics import (
     DRAFT_STEP_MS,
@@ -221,6 +221,14 @@ class LossWatch:
         return last > first and not bool(self.any_nonzero)
 
 
+def rank_part(draft: DFlashDraft, row: PackedRow, anchors: Anchors, ranks: Ranks) -> tuple[Anchors, float]:
+    """This rank's every-world_size-th anchors of a batch (host tensors) and its share of the batch's loss."""
+    if not ranks.distributed:
+        return anchors, 1.0
+    part = anchors.strided(ranks.rank, ranks.world_size)
+    return part, draft.batch_share(row, anchors, part)
+
+
 # Called after each validation with (step, metrics); a returned string stops the run as pruned.
 ValidationHook = Callable[[int, dict[str, float]], str | None]
 
@@ -354,16 +362,13 @@ class TrainingRecipe:
             draft_tokens + int(anchors.valid.sum()) * self.shared.block_size,
             feature_tokens + row.length,
         )
-        ranks, share = self.ranks, 1.0
-        if ranks.distributed:
-            part = anchors.strided(ranks.rank, ranks.world_size)
-            anchors, share = part, self.replica.batch_share(row, anchors, part)
+        anchors, share = rank_part(self.replica, row, anchors, self.ranks)
         row, anchors = to_device(row, anchors, self.device)
         with autocast(self.device, self.config.train.precision):
             output = self.draft.training_forward(row, anchors)
         self.watch.record(step + 1, output.loss.detach() * share)
         self.optimizer.zero_grad(set_to_none=True)
-        (output.loss * (share * ranks.world_size)).backward()
+        (output.loss * (share * self.ranks.world_size)).backward()  # FSDP averages the ranks' gradients
         self.grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.train.grad_clip)
         self.optimizer.step()
         self.schedule.step()

@@ -5,7 +5,8 @@
 set -euo pipefail
 TARGET="${TARGET:-Qwen/Qwen3-8B}"
 DATA="${DATA:-HuggingFaceH4/ultrachat_200k}"
-dflash-lab train \
+NPROC="${NPROC:-1}"   # GPUs on this machine: data-parallel ranks under torchrun, the draft sharded with FSDP2
+dflash-lab train --nproc-per-node "$NPROC" \
   --algorithm dflash2 --preset published \
   --target "$TARGET" --data "$DATA" --data-split train_sft --device cuda \
   --block-size 8 --num-layers 5 --target-layer-ids 2,18,33 \
