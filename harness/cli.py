@@ -179,6 +179,8 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> int | None:
 
     if args.nproc_per_node < 1:
         raise SystemExit(f"error: invalid --nproc-per-node={args.nproc_per_node}: allowed an integer >= 1")
+    if not args.collective_timeout > 0:
+        raise SystemExit(f"error: invalid --collective-timeout={args.collective_timeout}: allowed seconds > 0")
     if args.nproc_per_node == 1 or launched_by_torchrun():
         return None
     return run_ranks(args.nproc_per_node, "harness.cli", args.argv)

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from algorithms.blocks import PackedRow
 from harness.data import Document, pack_documents, pack_row, stable_hash
-from harness.devices import ids_on, model_device
+from harness.devices import autocast, ids_on, model_device
 from harness.distributed import SINGLE, Ranks
 from harness.files import atomic_write, remove
 from harness.targets import file_sha256
@@ -71,12 +71,18 @@ class OnlineFeatures:
 
     def document(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.target.model
-        with torch.no_grad():
+        with torch.no_grad(), target_precision(model):
             out = model(
                 input_ids=ids_on(self.documents[index].input_ids, model_device(model)), output_hidden_states=True
             )
         features = target_features(out.hidden_states, self.layer_ids)[0]
         return stored(features, out.hidden_states[-1][0], final_dtype(self.target.dtype))
+
+
+def target_precision(model: torch.nn.Module):
+    """How the frozen target computes features, for the cache and online alike: bf16 on CUDA, fp32 on the CPU
+    (the stored dtypes stay those of `stored`)."""
+    return autocast(model_device(model), "auto")
 
 
 def stored(features: torch.Tensor, final: torch.Tensor, final_as: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,14 +210,15 @@ def _extract_into(
 
 def _batch_features(target, batch: list[Document], layer_ids: list[int], final_as: torch.dtype):
     """Each document's (features, final) on the host, from one padded forward of the batch."""
-    device = next(target.model.parameters()).device
+    device = model_device(target.model)
     width = max(len(d.input_ids) for d in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     attention = torch.zeros(len(batch), width, dtype=torch.long)
     for row, doc in enumerate(batch):
         ids[row, : len(doc.input_ids)] = torch.tensor(doc.input_ids)
         attention[row, : len(doc.input_ids)] = 1
-    out = target.model(input_ids=ids.to(device), attention_mask=attention.to(device), output_hidden_states=True)
+    with target_precision(target.model):
+        out = target.model(input_ids=ids.to(device), attention_mask=attention.to(device), output_hidden_states=True)
     hidden = out.hidden_states  # [0] embeddings ... [n] post-final-norm
     features = target_features(hidden, layer_ids)
     for row, doc in enumerate(batch):

@@ -55,6 +55,19 @@ def test_bad_knob_on_the_command_line_names_knob_value_and_range():
     assert "invalid knob conv_kernel_size=9: allowed an integer in [1, block_size=8]" in done.stderr
 
 
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--nproc-per-node", "0", "error: invalid --nproc-per-node=0: allowed an integer >= 1"),
+        ("--collective-timeout", "0", "error: invalid --collective-timeout=0.0: allowed seconds > 0"),
+    ],
+)
+def test_bad_rank_options_name_flag_value_and_range(tmp_path, flag, value, message):
+    done = _run([*CLI, "train", "--target", "tests/data/qwen3-8b", "--workdir", str(tmp_path), flag, value])
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == message
+
+
 def test_bad_study_file_names_the_field(tmp_path):
     study = (
         (ROOT / "studies" / "default.yaml")

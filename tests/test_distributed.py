@@ -89,6 +89,11 @@ def test_two_ranks_train_like_one_in_one_run(shared, one_rank, tmp_path):
     for key in final:
         assert relative_gap({STEPS: one_rank[key][STEPS]}, {STEPS: two[key][STEPS]}) < EQUAL, key
     assert two["val/num_anchors"][STEPS] == one_rank["val/num_anchors"][STEPS]
+    # before any step both measure the same weights: the 2-rank validation is the 1-rank one, to rounding
+    untrained = [k for k, series in two.items() if k.startswith(FINAL_METRICS) and 0 in series and k not in TIMINGS]
+    assert len(untrained) > 30
+    for key in untrained:
+        assert relative_gap({0: one_rank[key][0]}, {0: two[key][0]}) < 1e-12, key
     # one run: one run directory, one MLflow run, made by rank 0
     assert [path.name for path in runs_root(tmp_path).iterdir()] == ["two-ranks"]
     client = tracking.client(tmp_path)
