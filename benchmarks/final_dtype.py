@@ -1,11 +1,14 @@
-"""Does storing the final hidden state in bf16 move the metrics? Two runs of one config on the embedded target:
-the cache as is (fp32 final state), and the same features with the final state rounded to bf16, which is how
-the cache stores it for a bf16 target. Everything else (seed, rows, anchors, validation documents) is shared.
+"""Does storing the final hidden state in bf16 move the metrics? Runs of one config on the embedded target: the
+cache as is (fp32 final state), and the same features with the final state rounded to bf16, which is how the
+cache stores it for a bf16 target; everything else (seed, rows, anchors, validation documents) is shared. Two
+references tell the effect apart from noise: the fp32-trained draft measured against both final states (the
+rounding's effect on the measurement alone), and a second fp32 run with another seed (how far any change of the
+training trajectory moves the metrics).
 
     python -m benchmarks.final_dtype [--study studies/default.yaml] [--steps 100] [--workdir work]
 
 Prints one JSON line and writes benchmarks/FINAL_DTYPE.md: each headline metric of both runs with its interval,
-and their difference paired by validation document.
+and the differences paired by validation document.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from algorithms.metrics import HEADLINE_METRICS, se_name
 from harness.run import VALIDATION_DOCUMENTS_FILE
 from harness.train import Workspace, prepare_workspace, train
 from harness.uncertainty import paired_difference, t_interval
-from harness.validation import pairs
+from harness.validation import pairs, validate_documents
 from studies.schema import load_study
 
 FINAL_AS = torch.bfloat16
@@ -50,25 +53,34 @@ def measure(study: Path, steps: int, workdir: Path) -> dict:
     config = definition.base
     config.train = dataclasses.replace(config.train, max_steps=steps, eval_every=steps, checkpoint_every=steps)
     workspace = prepare_workspace(config, workdir)
+    bf16 = with_bf16_final(workspace)
     stamp = datetime.now(UTC).strftime("%Y%m%d%H%M%S")
-    results, documents = {}, {}
-    for label, space in (("fp32", workspace), ("bf16", with_bf16_final(workspace))):
-        result = train(config, space, run_name=f"final-dtype-{label}-{stamp}", experiment="dflash-lab/final-dtype")
-        results[label] = result.validation
+    results, documents, drafts = {}, {}, {}
+    for label, space, seed in (("fp32", workspace, 0), ("bf16", bf16, 0), ("fp32-seed1", workspace, 1)):
+        seeded = dataclasses.replace(config, train=dataclasses.replace(config.train, seed=seed))
+        result = train(seeded, space, run_name=f"final-dtype-{label}-{stamp}", experiment="dflash-lab/final-dtype")
+        results[label], drafts[label] = result.validation, result.draft
         documents[label] = pd.read_csv(result.run_dir / VALIDATION_DOCUMENTS_FILE)
+    precision = config.train.precision
+    measured_bf16 = validate_documents(drafts["fp32"], bf16.validation_documents, "cpu", precision).documents
+    differences = {
+        "measurement_only": (measured_bf16, documents["fp32"]),
+        "bf16_minus_fp32": (documents["bf16"], documents["fp32"]),
+        "seed1_minus_seed0": (documents["fp32-seed1"], documents["fp32"]),
+    }
     record = {"study": str(study), "steps": steps, "documents": int(results["fp32"]["num_documents"]), "metrics": {}}
     for name in HEADLINE_METRICS:
         if name + ":sum" not in documents["fp32"]:
             continue
         n = record["documents"]
-        record["metrics"][name] = {
+        runs = {
             label: t_interval(results[label][name], results[label].get(se_name(name), float("nan")), n).text()
-            for label in results
-        } | {
-            "bf16_minus_fp32": paired_difference(
-                *pairs(documents["bf16"], name), *pairs(documents["fp32"], name)
-            ).text()
+            for label in ("fp32", "bf16")
         }
+        paired = {
+            label: paired_difference(*pairs(a, name), *pairs(b, name)).text() for label, (a, b) in differences.items()
+        }
+        record["metrics"][name] = runs | paired
     return record
 
 
@@ -79,14 +91,18 @@ def write(record: dict, path: Path) -> None:
         f"- Date: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}; embedded SmolLM2-135M target, CPU.",
         f"- Config: the base of `{record['study']}`, {record['steps']} steps, one seed; the bf16 run's final hidden "
         "states (training and validation) are the cache's fp32 ones rounded to bf16.",
-        f"- Final validation: every anchor of {record['documents']} documents; 95% intervals; the difference is "
-        "paired by document (anchor noise only: training noise from the rounding is not separated from it).",
+        f"- Final validation: every anchor of {record['documents']} documents; 95% intervals; differences are "
+        "paired by document, so their intervals hold anchor noise only, not training noise.",
+        "- Columns: each run's metric; *measurement only*: the fp32-trained draft measured against bf16-rounded "
+        "minus fp32 final states; *bf16 - fp32*: the two trained runs; *seed 1 - seed 0*: two fp32 runs whose "
+        "seeds differ, the size of a change of training trajectory.",
         "",
-        "| metric | fp32 final state | bf16 final state | bf16 - fp32 |",
-        "|---|---|---|---|",
+        "| metric | fp32 final state | bf16 final state | measurement only | bf16 - fp32 | seed 1 - seed 0 |",
+        "|---|---|---|---|---|---|",
         *(
-            f"| {name} | {values['fp32']} | {values['bf16']} | {values['bf16_minus_fp32']} |"
-            for name, values in record["metrics"].items()
+            f"| {name} | {v['fp32']} | {v['bf16']} | {v['measurement_only']} | {v['bf16_minus_fp32']} "
+            f"| {v['seed1_minus_seed0']} |"
+            for name, v in record["metrics"].items()
         ),
     ]
     path.write_text("\n".join(lines) + "\n")

@@ -285,9 +285,8 @@ class TrainingRecipe:
         if error:
             raise ValueError(error)
         load_full_state(self.draft, self.optimizer, state.get("model", {}), state.get("optimizer", {}), self.ranks)
-        small = self.ranks.from_main({k: v for k, v in state.items() if k not in ("model", "optimizer")})
-        state = {**state, **small}
-        self.run.run_id = state["run_id"]
+        state = self.ranks.from_main({k: v for k, v in state.items() if k not in ("model", "optimizer")})
+        self.run.run_id = state["run_id"]  # every rank's result names the run
         self.schedule.load_state_dict(state["scheduler"])
         self.anchor_generator.set_state(state["anchor_generator"])
         self.start_step, self.history = state["step"], state["history"]
@@ -558,6 +557,11 @@ def train(
     Under torchrun every rank calls this; rank 0 alone owns the run directory and the MLflow run."""
     config = with_target_defaults(config, workspace.target)
     config.validate()
+    if config.algorithm.shared.max_anchors < ranks.world_size:
+        raise ValueError(
+            f"invalid --max-anchors={config.algorithm.shared.max_anchors}: allowed at least the number of ranks "
+            f"({ranks.world_size}), which split each batch's anchors"
+        )
     if not any(bool(row.loss_mask.any()) for row in workspace.train_rows):
         raise ValueError(
             f"invalid --data={config.data.dataset!r}: the training set has no supervised (assistant) tokens; "
