@@ -82,7 +82,12 @@ def client(workdir: Path) -> mlflow.MlflowClient:
 def configure(workdir: Path, experiment: str = DEFAULT_EXPERIMENT) -> str:
     """Point MLflow at the store and experiment; returns the experiment id."""
     workdir.mkdir(parents=True, exist_ok=True)
+    chosen = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(tracking_uri(workdir))
+    # MLflow also exports the URI to the environment, where it would read as the user's choice of server: a
+    # later work directory in this process (or a child process) would then write into this one's store.
+    if chosen is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
     existing = mlflow.get_experiment_by_name(experiment)
     if existing is not None:
         return existing.experiment_id

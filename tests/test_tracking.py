@@ -21,6 +21,20 @@ def test_artifacts_live_under_the_workdir_for_local_stores(tmp_path, monkeypatch
     mlflow.set_tracking_uri("")  # leave no global store behind for other tests
 
 
+def test_two_work_directories_in_one_process_keep_their_own_stores(tmp_path, monkeypatch):
+    """MLflow exports the URI it is given to the environment; read back, it would send the second work
+    directory's runs (and any child process's) into the first one's store."""
+    import os
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for name in ("first", "second"):
+        tracking.configure(tmp_path / name, "stores-check")
+        assert "MLFLOW_TRACKING_URI" not in os.environ
+        assert tracking.tracking_uri(tmp_path / name).endswith(f"{name}/mlflow.db")
+    assert (tmp_path / "first" / "mlflow.db").exists() and (tmp_path / "second" / "mlflow.db").exists()
+    mlflow.set_tracking_uri("")
+
+
 def test_status_round_trips_through_tags_and_maps_to_mlflow_statuses():
     for status in RunStatus:
         assert RunStatus.of({tracking.TAG_STATUS: status.value}, "KILLED") is status

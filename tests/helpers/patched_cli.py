@@ -1,12 +1,14 @@
 """`dflash-lab` with a test's fault or setting injected, runnable under torchrun as a script.
 
-Environment: FAULT_RANK, FAULT_STEP and FAULT_KIND (`raise`: the rank raises; `kill`: it SIGKILLs itself)
-stop one rank as its training step FAULT_STEP begins; DOCS_PER_SHARD sets the feature cache's shard size.
+Environment: FAULT_RANK, FAULT_STEP and FAULT_KIND (`raise`: the rank raises; `kill`: it SIGKILLs itself;
+`hang`: it stops answering) stop one rank as its training step FAULT_STEP begins; DOCS_PER_SHARD sets the
+feature cache's shard size.
 """
 
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -22,6 +24,8 @@ def inject_fault() -> None:
         if recipe.ranks.rank == rank and index + 1 == step:
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if kind == "hang":
+                time.sleep(3600)
             raise RuntimeError(f"injected fault on rank {rank} at step {step}")
         return original(recipe, index)
 
