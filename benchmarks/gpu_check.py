@@ -6,7 +6,8 @@
 Steps: prepare (reusing the cache), 100 DFlash2 steps under bf16 autocast with validation, evaluate on 5
 MT-bench prompts at T = 0 (token identity with the target's own greedy decoding) and T = 1, export and a
 load of the export in Z Lab's dflash 0.1.0 with identical hidden states, the train-step benchmark against
-speculators 0.9.0 at the qwen3-8b shape, and the DFlash2-over-DFlash overhead. One JSON summary holds every
+speculators 0.9.0 at the qwen3-8b shape, data-parallel scaling over every GPU of the machine (torchrun, FSDP2;
+recorded as not measured on a one-GPU machine), and the DFlash2-over-DFlash overhead. One JSON summary holds every
 figure with pass or fail per step; the exit status is non-zero when any step failed.
 """
 
@@ -34,6 +35,7 @@ class Sizes:
     new_tokens: int
     train_step_benchmark: tuple[str, ...]
     overhead: tuple[str, ...]
+    data_parallel: tuple[str, ...]
 
 
 REAL = Sizes(
@@ -43,6 +45,7 @@ REAL = Sizes(
     new_tokens=64,
     train_step_benchmark=("--sizes", "qwen3-8b", "--algorithms", "dflash", "dflash2", "--precisions", "bf16"),
     overhead=(),
+    data_parallel=("--sizes", "qwen3-8b", "--algorithms", "dflash2", "--precisions", "bf16"),
 )
 DRY = Sizes(
     # the end-to-end tests' data: a CI run reuses their cache
@@ -53,6 +56,7 @@ DRY = Sizes(
     new_tokens=8,
     train_step_benchmark=("--smoke",),
     overhead=("--size", "tiny", "--steps", "1", "--cycles", "1", "--precisions", "fp32"),
+    data_parallel=("--sizes", "tiny", "--algorithms", "dflash2", "--smoke"),
 )
 
 
@@ -164,6 +168,19 @@ class Check:
             raise AssertionError(f"a benchmark configuration failed: {records}")
         return {"records": records}
 
+    def data_parallel(self) -> dict:
+        """Scaling at the largest rank count available: every GPU of the machine (2 CPU ranks in the dry run)."""
+        import torch
+
+        ranks = torch.cuda.device_count() if self.device.startswith("cuda") else 2
+        if ranks < 2:
+            return {"not_measured": f"{ranks} CUDA device on this machine: data parallelism needs 2 or more"}
+        args = [sys.executable, "-m", "benchmarks.train_step", "--device", self.device.partition(":")[0]]
+        records = json_lines(command([*args, "--nproc-per-node", str(ranks), *self.sizes.data_parallel], 3600))
+        if any("error" in r for r in records):
+            raise AssertionError(f"a scaling leg failed: {records}")
+        return {"records": [{k: v for k, v in r.items() if k != "legs"} for r in records]}
+
     def overhead(self) -> dict:
         args = [sys.executable, "-m", "benchmarks.overhead", "--device", self.device, "--workdir", str(self.workdir)]
         out = self.workdir / "OVERHEAD.md"
@@ -204,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         ("evaluate", check.evaluate),
         ("export", check.export),
         ("train_step_benchmark", check.train_step_benchmark),
+        ("data_parallel", check.data_parallel),
         ("overhead", check.overhead),
     ]
     results = run_steps(steps)

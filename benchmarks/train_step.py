@@ -483,32 +483,27 @@ def rank_throughput(
     leave()
 
 
-def scaling(size_name: str, algorithm: str, device: str, precision: str, nproc: int, steps: int, warmup: int) -> dict:
-    """Global query tokens/s of `nproc` ranks over that of 1 rank with the same total threads, on one batch;
-    the legs alternate 1, N, 1, N so that drift on a shared machine hits both."""
+def scaling(
+    size_name: str, algorithm: str, device: str, precision: str, nproc: int, steps: int, warmup: int, repeats: int = 2
+) -> dict:
+    """Global query tokens/s of `nproc` ranks against 1 rank on one batch, the legs alternating 1, N, 1, N so
+    that drift on a shared machine hits both. On the CPU the ranks share the cores (equal total threads) and the
+    efficiency is the ratio of the throughputs; on GPUs each rank has its own device and it is that ratio / N."""
     import os
 
     from harness.distributed import run_ranks
 
     legs: dict[int, list[dict]] = {1: [], nproc: []}
-    for ranks in [1, nproc, 1, nproc]:
-        output = Path(os.environ.get("TMPDIR", "/tmp")) / f"scaling-{os.getpid()}-{ranks}.jsonl"
+    for ranks in [1, nproc] * repeats:
+        output = Path(os.environ.get("TMPDIR", "/tmp")) / f"scaling-{os.getpid()}-{ranks}.json"
         args = ["--rank-throughput", "--sizes", size_name, "--algorithms", algorithm, "--device", device]
-        args += [
-            "--precisions",
-            precision,
-            "--steps",
-            str(steps),
-            "--warmup",
-            str(warmup),
-            "--rank-output",
-            str(output),
-        ]
-        if run_ranks(ranks, "benchmarks.train_step", args) != 0:
+        args += ["--precisions", precision, "--steps", str(steps), "--warmup", str(warmup)]
+        if run_ranks(ranks, "benchmarks.train_step", [*args, "--rank-output", str(output)]) != 0:
             return {"size": size_name, "algorithm": algorithm, "error": f"the {ranks}-rank leg failed"}
         legs[ranks].append(json.loads(output.read_text()))
         output.unlink()
     best = {ranks: max(leg["query_tokens_per_s"] for leg in runs) for ranks, runs in legs.items()}
+    per_device = torch.device(device).type == "cuda"
     return {
         "size": size_name,
         "algorithm": algorithm,
@@ -519,7 +514,8 @@ def scaling(size_name: str, algorithm: str, device: str, precision: str, nproc: 
         "threads_per_rank": legs[nproc][0]["threads_per_rank"],
         "one_rank_tokens_per_s": best[1],
         "ranks_tokens_per_s": best[nproc],
-        "efficiency": best[nproc] / best[1],
+        "efficiency": best[nproc] / best[1] / (nproc if per_device else 1),
+        "efficiency_is": "per device (N GPUs against 1)" if per_device else "at equal total threads",
         "legs": legs,
     }
 
@@ -533,8 +529,9 @@ def write_scaling(records: list[dict], path: Path) -> None:
         + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", CPU only"),
         "- Step = the training loop's data-parallel step: each rank's every-N-th anchor of one fixed global batch,",
         "  forward + backward (gradients reduced by FSDP2) + clipping + AdamW. Legs alternate 1, N, 1, N ranks; the",
-        "  best of each is kept. Efficiency = global query tokens/s of N ranks / that of 1 rank with the same total",
-        "  threads (1.0: no loss from splitting; each rank also recomputes the shared context projections).",
+        "  best of each is kept. Efficiency on the CPU = global query tokens/s of N ranks / that of 1 rank with the",
+        "  same total threads; on GPUs = that ratio / N (each rank has its own GPU). 1.0: no loss from splitting;",
+        "  each rank also recomputes the row's shared context projections.",
         "",
         "| size | algorithm | device | precision | ranks | threads per rank | 1-rank tok/s | N-rank tok/s "
         "| efficiency |",
@@ -591,8 +588,9 @@ def main(argv: list[str] | None = None) -> int:
         rank_throughput(*one, args.rank_output)
         return 0
     if args.nproc_per_node > 1:
+        repeats = 1 if args.smoke else 2
         records = [
-            scaling(size, algorithm, args.device, precision, args.nproc_per_node, args.steps, args.warmup)
+            scaling(size, algorithm, args.device, precision, args.nproc_per_node, args.steps, args.warmup, repeats)
             for size in args.sizes
             for algorithm in args.algorithms
             for precision in args.precisions

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU acceptance check (benchmarks/gpu_check.py): prepare, 100 bf16 DFlash2 steps + validation,
-# evaluate (T = 0 lossless, T = 1), export + Z Lab load, train-step and overhead benchmarks, all on CUDA.
+# evaluate (T = 0 lossless, T = 1), export + Z Lab load, train-step, data-parallel scaling and overhead
+# benchmarks, all on CUDA.
 #
 #   bash scripts/gpu_check.sh [--wheels DIR] [--device cuda] [--workdir work-gpu] [--out FILE]
 #   bash scripts/gpu_check.sh --cpu-dry-run      # the same steps on the CPU at toy sizes (what CI runs)

@@ -36,7 +36,15 @@ def test_the_dry_run_passes_every_step(e2e_workspace, e2e_workdir):
     summary = json.loads(out.read_text())
     assert done.returncode == 0 and summary["passed"], json.dumps(summary, indent=1)[-3000:]
     steps = summary["steps"]
-    assert list(steps) == ["prepare", "train", "evaluate", "export", "train_step_benchmark", "overhead"]
+    assert list(steps) == [
+        "prepare",
+        "train",
+        "evaluate",
+        "export",
+        "train_step_benchmark",
+        "data_parallel",
+        "overhead",
+    ]
     assert steps["prepare"]["feature_cache"] == "reused"
     assert steps["evaluate"]["mtbench_lossless_fraction"] == 1.0
     assert steps["export"]["max_abs_hidden_difference"] < 1e-3
@@ -48,4 +56,7 @@ def test_the_dry_run_passes_every_step(e2e_workspace, e2e_workdir):
         assert record["ours_median_ms"] > 0 and record["theirs_median_ms"] > 0 and record["ours_peak_mib"] > 0
         assert record["theirs_configuration"].startswith("sdpa, eager losses, eager") and not record["theirs_failures"]
     assert {r.get("size") for r in steps["overhead"]["records"]} >= {"tiny"}
+    # the scaling benchmark's smoke run: 1 rank and 2 torchrun ranks on the training loop's data-parallel step
+    (scaling,) = steps["data_parallel"]["records"]
+    assert scaling["nproc_per_node"] == 2 and scaling["one_rank_tokens_per_s"] > 0 and scaling["efficiency"] > 0
     assert summary["device"] == "cpu" and summary["dry_run"]
