@@ -127,6 +127,7 @@ def cache_plan(config, draft, workdir: Path) -> dict:
     import shutil
 
     from harness.config import CACHE_FEATURES
+    from harness.devices import dtype_name
     from harness.features import estimated_bytes, final_dtype
     from harness.targets import native_dtype, target_config
 
@@ -139,7 +140,7 @@ def cache_plan(config, draft, workdir: Path) -> dict:
     plan = {
         "mode": config.train.features,
         "tokens_at_most": tokens,
-        "final_hidden_dtype": str(final_dtype(target_dtype)).removeprefix("torch."),
+        "final_hidden_dtype": dtype_name(final_dtype(target_dtype)),
         "bytes_at_most": needed,
         "gib_at_most": round(needed / 2**30, 2),
         "free_gib": round(free / 2**30, 2),

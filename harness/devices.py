@@ -29,6 +29,11 @@ def to_device(row: PackedRow, anchors: Anchors, device: torch.device | str) -> t
     return row.to(device), anchors_to(anchors, device)
 
 
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """`bfloat16` for torch.bfloat16 (or a config's "bfloat16"): how caches, configs and plans spell a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def ids_on(ids: list[int], device: torch.device | str) -> torch.Tensor:
     """Token ids as a [1, T] batch on `device`."""
     return torch.tensor([ids], device=device)

@@ -15,9 +15,9 @@ from tqdm.auto import tqdm
 
 from algorithms.blocks import PackedRow
 from harness.data import Document, pack_documents, pack_row, stable_hash
-from harness.devices import autocast, ids_on, model_device
+from harness.devices import autocast, dtype_name, ids_on, model_device
 from harness.distributed import SINGLE, Ranks
-from harness.files import atomic_write, remove
+from harness.files import atomic_write
 from harness.targets import file_sha256
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def cache_key(target_hash: str, dataset_hash: str, layer_ids: list[int], max_len
             "dataset": dataset_hash,
             "layers": list(layer_ids),
             "max_length": max_length,
-            "final_dtype": str(final).removeprefix("torch."),
+            "final_dtype": dtype_name(final),
         }
     )
 
@@ -170,8 +170,7 @@ def extract(
 def _extract_into(
     tmp: Path | None, target, documents: list[Document], layer_ids: list[int], batch_size: int, ranks: Ranks
 ) -> dict:
-    if ranks.is_main:
-        remove(tmp)
+    if ranks.is_main:  # atomic_write cleared any leftover at `tmp`
         tmp.mkdir(parents=True)
     tmp = ranks.from_main(tmp)
     final_as = final_dtype(target.dtype)
@@ -199,7 +198,7 @@ def _extract_into(
         "layer_ids": list(layer_ids),
         "num_documents": len(documents),
         "tokens": sum(len(d.input_ids) for d in documents),
-        "final_dtype": str(final_as).removeprefix("torch."),
+        "final_dtype": dtype_name(final_as),
         "shards": [shards[number] for number in range(len(starts))],
         "documents": [index // DOCS_PER_SHARD for index in range(len(documents))],
     }

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from algorithms import TargetSpec
+from harness.devices import dtype_name
 from harness.files import atomic_write
 
 log = logging.getLogger(__name__)
@@ -177,7 +178,7 @@ def load_target(name_or_path: str, cache_dir: Path, mask_token_id: int | None = 
 def native_dtype(config) -> str:
     """The dtype a model's config declares for its weights (`dtype`, formerly `torch_dtype`), as a name."""
     declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
-    return str(declared).removeprefix("torch.")
+    return dtype_name(declared)
 
 
 def target_config(name_or_path: str, cache_dir: Path):
