@@ -450,37 +450,32 @@ def rank_throughput(
 ) -> None:
     """One rank of a scaling leg (run under torchrun): the training loop's data-parallel step (this rank's anchors,
     FSDP2-sharded draft, optimizer step) on one fixed global batch; rank 0 writes the global query tokens/s."""
-    from harness.distributed import join, leave, shard
-    from harness.train import rank_part
+    from harness.distributed import joined, shard
+    from harness.train import optimizer_step, rank_part
 
-    ranks, device = join(device)
-    ours, row, _, anchors = build_ours(SIZES[size_name], algorithm, device)
-    part, share = rank_part(ours, row, anchors, ranks)
-    draft = shard(ours, ranks, devices.uses_bf16(device, precision))
-    optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
-    row_here, part_here = devices.to_device(row, part, device)
+    with joined(device) as (ranks, device):
+        ours, row, _, anchors = build_ours(SIZES[size_name], algorithm, device)
+        part, share = rank_part(ours, row, anchors, ranks)
+        draft = shard(ours, ranks, devices.uses_bf16(device, precision))
+        optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4)
+        row_here, part_here = devices.to_device(row, part, device)
 
-    def step() -> None:
-        with autocast(device, precision):
-            loss = draft.training_forward(row_here, part_here).loss
-        optimizer.zero_grad(set_to_none=True)
-        (loss * (share * ranks.world_size)).backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        optimizer.step()
+        def step() -> None:
+            with autocast(device, precision):
+                loss = draft.training_forward(row_here, part_here).loss
+            optimizer_step(draft, optimizer, loss, share, ranks, 1.0)
 
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        ranks.barrier()
-        times.append(timed(step, device))
-    ranks.barrier()
-    seconds = max(ranks.gather(statistics.median(times)))  # the slowest rank sets the pace
+        for _ in range(warmup):
+            step()
+        times = []
+        for _ in range(steps):
+            ranks.barrier()
+            times.append(timed(step, device))
+        seconds = max(ranks.gather(statistics.median(times)))  # the slowest rank sets the pace
     if ranks.is_main:
         tokens = int(anchors.valid.sum()) * SIZES[size_name].block
         leg = {"ranks": ranks.world_size, "threads_per_rank": torch.get_num_threads(), "step_s": seconds}
         output.write_text(json.dumps({**leg, "query_tokens_per_s": tokens / seconds}))
-    leave()
 
 
 def scaling(

@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger("dflash_lab")
@@ -187,22 +186,9 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> int | None:
     return run_ranks(args.nproc_per_node, "harness.cli", args.argv)
 
 
-@contextmanager
-def joined(args: argparse.Namespace):
-    """This process's ranks and device (only rank 0 logs below warnings); the process group ends on exit."""
-    from harness.distributed import join, leave
-
-    ranks, device = join(args.device, args.collective_timeout)
-    if not ranks.is_main:
-        logging.getLogger().setLevel(logging.WARNING)
-    try:
-        yield ranks, device
-    finally:
-        leave()
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     from harness import tracking
+    from harness.distributed import joined
     from harness.train import prepare_workspace, train
 
     config = resolve_run_config(args)
@@ -212,7 +198,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     planned_draft(config, args.workdir)
     if (relaunched := relaunch_under_torchrun(args)) is not None:
         return relaunched
-    with joined(args) as (ranks, device):
+    with joined(args.device, args.collective_timeout) as (ranks, device):
         workspace = prepare_workspace(config, args.workdir, device, ranks)
         result = train(
             config,
@@ -232,6 +218,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     from harness.config import ONLINE_FEATURES
+    from harness.distributed import joined
     from harness.train import prepare_workspace
 
     config = resolve_run_config(args)
@@ -241,7 +228,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         return 0
     if (relaunched := relaunch_under_torchrun(args)) is not None:
         return relaunched
-    with joined(args) as (ranks, device):
+    with joined(args.device, args.collective_timeout) as (ranks, device):
         workspace = prepare_workspace(config, args.workdir, device, ranks)
     if not ranks.is_main:
         return 0

@@ -11,6 +11,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -126,6 +128,19 @@ def join(device: str, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> tuple[
 def leave() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextmanager
+def joined(device: str, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Iterator[tuple[Ranks, str]]:
+    """`join` for the duration of a command: only rank 0 logs below warnings, and the process group ends on
+    exit."""
+    ranks, device = join(device, timeout_s)
+    if not ranks.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        yield ranks, device
+    finally:
+        leave()
 
 
 def stop_on_sigterm() -> None:

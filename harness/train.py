@@ -229,6 +229,23 @@ def rank_part(draft: DFlashDraft, row: PackedRow, anchors: Anchors, ranks: Ranks
     return part, draft.batch_share(row, anchors, part)
 
 
+def optimizer_step(
+    draft: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss: torch.Tensor,
+    share: float,
+    ranks: Ranks,
+    clip: float,
+) -> torch.Tensor:
+    """Backward this rank's share of the batch's loss, clip and step; returns the gradient norm (on the device).
+    FSDP averages the ranks' gradients, so each rank's part is scaled by the world size to make them a sum."""
+    optimizer.zero_grad(set_to_none=True)
+    (loss * (share * ranks.world_size)).backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), clip)
+    optimizer.step()
+    return grad_norm
+
+
 # Called after each validation with (step, metrics); a returned string stops the run as pruned.
 ValidationHook = Callable[[int, dict[str, float]], str | None]
 
@@ -366,10 +383,9 @@ class TrainingRecipe:
         with autocast(self.device, self.config.train.precision):
             output = self.draft.training_forward(row, anchors)
         self.watch.record(step + 1, output.loss.detach() * share)
-        self.optimizer.zero_grad(set_to_none=True)
-        (output.loss * (share * self.ranks.world_size)).backward()  # FSDP averages the ranks' gradients
-        self.grad_norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.train.grad_clip)
-        self.optimizer.step()
+        self.grad_norm = optimizer_step(
+            self.draft, self.optimizer, output.loss, share, self.ranks, self.config.train.grad_clip
+        )
         self.schedule.step()
         return output
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import optuna
 
 from harness.config import RunConfig
-from harness.distributed import join, leave, run_ranks
+from harness.distributed import joined, run_ranks
 from harness.files import atomic_write, remove
 from harness.train import TrainResult, prepare_workspace, train
 
@@ -81,14 +81,11 @@ def main(job_file: Path) -> int:
     """One rank of a job: train its share; rank 0 writes the result."""
     data = json.loads(job_file.read_text())
     link = TrialLink(**data["trial"]) if data["trial"] else None
-    ranks, device = join(data["device"])
-    try:
+    with joined(data["device"]) as (ranks, device):
         config = RunConfig.from_dict(data["config"])
         workspace = prepare_workspace(config, Path(data["workdir"]), device, ranks)
         hook = link.hook() if link is not None and ranks.is_main else None
         result = train(config, workspace, device=device, on_validation=hook, ranks=ranks, **data["options"])
-    finally:
-        leave()
     if ranks.is_main:
         values = {
             "run_id": result.run_id,
