@@ -106,6 +106,28 @@ ALGORITHMS: dict[str, Algorithm] = {
 # The algorithm every other one extends: the baseline that component gains are measured against.
 REFERENCE_ALGORITHM = "dflash"
 
+# Design factors that switch a component on or off: a designed study's point picks the variant that has
+# exactly the components it switches on (the 2x2 component ablation: conv x selector).
+COMPONENT_FACTORS = ("conv", "selector")
+COMPONENT_VARIANTS = {(False, False): "dflash", (True, False): "dflash+conv", (False, True): "dflash+selector"}
+COMPONENT_VARIANTS[(True, True)] = "dflash2"
+
+
+def component_variant(conv: bool, selector: bool) -> str:
+    """The registered variant with exactly these components."""
+    return COMPONENT_VARIANTS[(bool(conv), bool(selector))]
+
+
+def with_design_point(config: AlgorithmConfig, point: dict[str, Any]) -> AlgorithmConfig:
+    """`config` moved to a design point: component factors choose the variant (keeping the knobs it has),
+    every other factor is a knob value."""
+    components = {f: point[f] for f in COMPONENT_FACTORS if f in point}
+    if components:
+        entry = config.entry
+        chosen = {"conv": entry.has_conv, "selector": entry.has_selector, **components}
+        config = config.with_algorithm(component_variant(chosen["conv"], chosen["selector"]))
+    return config.replace(**{k: v for k, v in point.items() if k not in COMPONENT_FACTORS})
+
 
 def algorithm_entry(name: str) -> Algorithm:
     if name not in ALGORITHMS:

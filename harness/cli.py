@@ -13,20 +13,6 @@ log = logging.getLogger("dflash_lab")
 DEFAULT_ALGORITHM, DEFAULT_TARGET = "dflash2", "smollm2-135m"
 
 
-def check_device(text: str) -> None:
-    """The device must exist on this machine: cpu, cuda or cuda:N."""
-    import torch
-
-    if text == "cpu":
-        return
-    if not text.startswith("cuda") or (text != "cuda" and not text.removeprefix("cuda:").isdigit()):
-        raise SystemExit(f"error: invalid --device={text!r}: allowed cpu, cuda or cuda:N")
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    index = int(text.removeprefix("cuda:")) if ":" in text else 0
-    if index >= count:
-        raise SystemExit(f"error: invalid --device={text!r}: allowed cpu (this machine has {count} CUDA devices)")
-
-
 def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workdir", type=Path, default=Path("work"), help="caches, runs and the MLflow store (default: ./work)"
@@ -415,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not getattr(args, "dry_run", False):  # a dry run touches no device and no store
             from harness import tracking
+            from harness.devices import check_device
 
             check_device(getattr(args, "device", "cpu"))
             tracking.check_reachable(args.workdir)

@@ -57,3 +57,15 @@ def autocast(device: str | torch.device, precision: str):
 def uses_bf16(device: str | torch.device, precision: str) -> bool:
     """Whether `precision` on `device` computes in bf16 (`auto`: on CUDA)."""
     return precision == "bf16" or (precision == "auto" and torch.device(device).type == "cuda")
+
+
+def check_device(text: str) -> None:
+    """The device must exist on this machine: cpu, cuda or cuda:N."""
+    if text == "cpu":
+        return
+    if not text.startswith("cuda") or (text != "cuda" and not text.removeprefix("cuda:").isdigit()):
+        raise SystemExit(f"error: invalid --device={text!r}: allowed cpu, cuda or cuda:N")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(text.removeprefix("cuda:")) if ":" in text else 0
+    if index >= count:
+        raise SystemExit(f"error: invalid --device={text!r}: allowed cpu (this machine has {count} CUDA devices)")

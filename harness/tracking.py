@@ -19,6 +19,9 @@ from algorithms.metrics import ACCEPTED_LENGTHS, SE_SUFFIX
 # Metric prefixes. The validation accepted lengths get their own, `accept/`, which sorts first among
 # metrics and forms its own chart section in the MLflow UI: accept/unary, accept/realized, accept/oracle.
 TRAIN_PREFIX, VAL_PREFIX, EVAL_PREFIX, ACCEPT_PREFIX = "train/", "val/", "eval/", "accept/"
+# The learning curve: accepted lengths on the fixed subset of anchors at every validation, the last included
+# (accept/* at the last step is every anchor instead): curve/unary, curve/realized, curve/oracle (+ _se).
+CURVE_PREFIX = "curve/"
 BEST_PREFIX, IMPORTANCE_PREFIX = "best/", "importance/"
 # Param prefixes of a study's parent run.
 PINNED_PREFIX, STUDY_PREFIX = "pinned.", "study."
@@ -29,6 +32,7 @@ TAG_ROLE, TAG_RUN_DIR, TAG_CHECKPOINT = "dflash_lab.role", "dflash_lab.run_dir",
 TAG_STATUS, TAG_STATUS_REASON = "dflash_lab.state", "dflash_lab.failure_reason"
 TAG_BASELINE, TAG_BEST_TRIAL, TAG_OBJECTIVES = "dflash_lab.baseline", "dflash_lab.best_trial", "dflash_lab.objectives"
 TAG_BEST_RUN_ID, TAG_TRIALS_USED = "dflash_lab.best_run_id", "dflash_lab.trials_used"
+TAG_DESIGN_POINT = "dflash_lab.design_point"  # a designed study's trial: its point as JSON
 TAG_WORLD_SIZE = "dflash_lab.world_size"  # data-parallel ranks of the latest (re)start
 # MLflow's own tags, behind the UI's Description, Source and Created-by columns and the experiment's page.
 TAG_NOTE, TAG_SOURCE, TAG_USER = "mlflow.note.content", "mlflow.source.name", "mlflow.user"
@@ -153,8 +157,9 @@ def ui_hint(workdir: Path, experiment: str) -> str:
 def metric_key(name: str, prefix: str) -> str:
     """The logged name: `accept/<path>` (and `accept/<path>_se`) for validation accepted lengths, else prefix+name."""
     base = name.removesuffix(SE_SUFFIX)
-    if prefix == VAL_PREFIX and base in ACCEPTED_LENGTHS:
-        return f"{ACCEPT_PREFIX}{base.removesuffix('_accepted_length')}{name[len(base) :]}"
+    if prefix in (VAL_PREFIX, CURVE_PREFIX) and base in ACCEPTED_LENGTHS:
+        short = ACCEPT_PREFIX if prefix == VAL_PREFIX else CURVE_PREFIX
+        return f"{short}{base.removesuffix('_accepted_length')}{name[len(base) :]}"
     return f"{prefix}{name}"
 
 

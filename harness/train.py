@@ -42,6 +42,7 @@ from harness.targets import Target, load_target
 from harness.tracking import RunStatus
 from harness.validation import (
     Validation,
+    curve_values,
     per_position_rows,
     pooled_counts,
     summary_line,
@@ -406,8 +407,11 @@ class TrainingRecipe:
         whose per-document pairs are kept for the intervals (`val/num_anchors` says which set each step used)."""
         train, workspace, ranks = self.config.train, self.workspace, self.ranks
         draft = unsharded_copy(self.draft, self.replica, ranks)
+        # The subset runs at every validation, the last included: the learning curve stays on one anchor set.
+        subset = validate_subset(draft, workspace.validation_rows, self.device, train.precision, ranks)
+        self.log_metrics(curve_values(subset.values), tracking.CURVE_PREFIX, step)
         if step < train.max_steps:
-            validation = validate_subset(draft, workspace.validation_rows, self.device, train.precision, ranks)
+            validation = subset
         else:
             started = time.perf_counter()
             validation = validate_documents(

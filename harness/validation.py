@@ -36,6 +36,7 @@ from harness.uncertainty import ratio_estimate, t_interval, wilson
 
 DOCUMENT_COLUMN, ANCHORS_COLUMN = "document", "anchor_positions"
 SUM_SUFFIX, TOTAL_SUFFIX = ":sum", ":total"
+SUBSET_ROWS = "subset_rows"  # the rows (clusters) a subset validation's standard errors rest on
 
 
 @dataclass
@@ -72,20 +73,33 @@ def _finalize(draft: DFlashDraft, counts: MetricCounts) -> dict[str, float]:
 def validate_subset(
     draft: DFlashDraft, rows: list[PackedRow], device: str, precision: str, ranks: Ranks = SINGLE
 ) -> Validation:
-    """Pooled metrics on the fixed subset of anchors, for progress and pruning during training. Under torchrun
-    each rank measures its share of the rows and the counts are summed over the ranks."""
+    """Pooled metrics on the fixed subset of anchors, for progress, pruning and learning curves, with standard
+    errors clustered by row. Under torchrun each rank measures its share of the rows and the counts are summed
+    over the ranks."""
     draft.eval()
-    shared, counts = draft.shared, {}
+    shared, counts, row_pairs = draft.shared, {}, []
     for index in ranks.indices(len(rows)):
         anchors = subset_anchors(rows[index], index, shared.block_size, shared.max_anchors)
         with autocast(device, precision):
-            pool(counts, draft.training_forward(*to_device(rows[index], anchors, device)).counts)
+            row_counts = draft.training_forward(*to_device(rows[index], anchors, device)).counts
+        pool(counts, row_counts)
+        row_pairs.append(torch.stack([row_counts[name] for name in ACCEPTED_LENGTHS]))
     draft.train()
     if ranks.distributed:
         parts, counts = ranks.gather({name: pair.cpu() for name, pair in counts.items()}), {}
         for part in parts:
             pool(counts, part)
-    return Validation(_finalize(draft, counts), counts)
+    values = _finalize(draft, counts)
+    # Per-row (sum, total) pairs, read once per validation: the subset's standard errors, clustered by row.
+    host = [pair for part in ranks.gather([p.cpu() for p in row_pairs]) for pair in part]
+    values[SUBSET_ROWS] = float(len(host))
+    if len(host) > 1:
+        stacked = torch.stack(host).double()
+        for column, name in enumerate(ACCEPTED_LENGTHS):
+            se = ratio_estimate(stacked[:, column, 0].numpy(), stacked[:, column, 1].numpy()).se
+            if math.isfinite(se):
+                values[se_name(name)] = se
+    return Validation(values, counts)
 
 
 @torch.no_grad()
@@ -118,6 +132,12 @@ def validate_documents(
         if math.isfinite(se):  # fewer than two documents with a total: no standard error, nothing logged
             values[se_name(name)] = se
     return Validation(values, counts, frame)
+
+
+def curve_values(values: dict[str, float]) -> dict[str, float]:
+    """The learning-curve point of a subset validation: its accepted lengths and their standard errors."""
+    names = [*ACCEPTED_LENGTHS, *map(se_name, ACCEPTED_LENGTHS), SUBSET_ROWS]
+    return {name: values[name] for name in names if name in values}
 
 
 def pairs(documents: pd.DataFrame, name: str) -> tuple[pd.Series, pd.Series]:

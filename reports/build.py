@@ -6,6 +6,7 @@ from pathlib import Path
 
 from harness import tracking
 from reports.collect import collect
+from reports.designed import design_metrics
 from reports.render import headline, leaderboard_frame, render, render_comparison, study_configurations
 
 LEADERBOARD_TABLE = "report/leaderboard.json"
@@ -24,6 +25,9 @@ def build_report(study: str, workdir: Path, out_root: Path = Path("reports")) ->
     configs = study_configurations(record)
     client.log_table(parent, leaderboard_frame(configs), LEADERBOARD_TABLE)
     client.set_tag(parent, tracking.TAG_NOTE, headline(configs))
+    for key, value in design_metrics(record).items():  # logged once per change: a rebuild adds no rows
+        if record.parent["metrics"].get(key) != value:
+            client.log_metric(parent, key, value)
     return path
 
 

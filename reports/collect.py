@@ -10,10 +10,11 @@ import pandas as pd
 from mlflow.exceptions import MlflowException
 
 from algorithms import ALGORITHMS
-from algorithms.metrics import DRAFT_STEP_MS, HEADLINE_METRICS, REALIZED_ACCEPTED_LENGTH
+from algorithms.metrics import ACCEPTED_LENGTHS, DRAFT_STEP_MS, HEADLINE_METRICS, REALIZED_ACCEPTED_LENGTH, se_name
 from harness import tracking
 from harness.run import VALIDATION_DOCUMENTS_FILE
 from harness.tracking import RunStatus
+from harness.validation import SUBSET_ROWS
 
 VAL, EVAL = tracking.VAL_PREFIX, tracking.EVAL_PREFIX
 # Every knob any registered algorithm tunes, in registry order: the knob columns of a report.
@@ -29,6 +30,7 @@ class StudyRecord:
     parent: dict
     runs: pd.DataFrame  # one row per child run; `config` groups the seeds of one trial or baseline
     documents: dict[str, pd.DataFrame] = field(default_factory=dict)  # run id -> per-document validation pairs
+    curves: dict[str, pd.DataFrame] = field(default_factory=dict)  # run id -> learning curve (step, metric, se)
 
 
 def collect(study: str, workdir: Path) -> StudyRecord:
@@ -70,6 +72,9 @@ def collect(study: str, workdir: Path) -> StudyRecord:
             "target_hash": params.get("target_hash", ""),
             "dataset": params.get("dataset", ""),
             "dataset_hash": params.get("dataset_hash", ""),
+            "design_point": tags.get(tracking.TAG_DESIGN_POINT, ""),
+            "max_steps": int(params.get("train.max_steps") or 0),
+            "wall_s": (run.info.end_time - run.info.start_time) / 1000 if run.info.end_time else float("nan"),
         }
         for knob in TUNED_KNOBS:
             row[knob] = params.get(f"algo.{knob}", params.get(f"shared.{knob}", ""))
@@ -95,6 +100,7 @@ def collect(study: str, workdir: Path) -> StudyRecord:
         },
         frame,
         validation_documents(client, frame),
+        learning_curves(client, frame),
     )
 
 
@@ -109,4 +115,21 @@ def validation_documents(client, runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
             except (MlflowException, OSError):
                 continue
             found[run_id] = pd.read_csv(path, keep_default_na=False)
+    return found
+
+
+def learning_curves(client, runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Each finished run's subset validations by step (curve/*): accepted lengths and their standard errors."""
+    found = {}
+    finished = runs[runs["status"] == RunStatus.FINISHED] if not runs.empty else runs
+    names = [(metric, tracking.metric_key(metric, tracking.CURVE_PREFIX)) for metric in ACCEPTED_LENGTHS]
+    names += [(se_name(m), tracking.metric_key(se_name(m), tracking.CURVE_PREFIX)) for m in ACCEPTED_LENGTHS]
+    names.append((SUBSET_ROWS, tracking.metric_key(SUBSET_ROWS, tracking.CURVE_PREFIX)))
+    for run_id in finished.get("run_id", []):
+        columns = {}
+        for column, key in names:
+            for point in client.get_metric_history(run_id, key):
+                columns.setdefault(point.step, {})[column] = point.value
+        if columns:
+            found[run_id] = pd.DataFrame([{"step": step, **values} for step, values in sorted(columns.items())])
     return found

@@ -31,6 +31,7 @@ from harness.tracking import RunStatus
 from harness.uncertainty import Estimate, mean_estimate, unpaired_difference
 from harness.validation import per_position_rows, pooled_counts
 from reports.collect import TUNED_KNOBS, StudyRecord
+from reports.designed import curve_figure, curves_section, effects_section
 from reports.estimates import (
     Configuration,
     configurations,
@@ -419,11 +420,13 @@ def per_position(configs: list[Configuration], figure: str | None) -> str:
     return "\n\n".join(parts)
 
 
-def verdicts(configs: list[Configuration], resolved_knobs: list[str]) -> str:
-    """Statements computed from the recorded numbers, each with its interval."""
+def verdicts(configs: list[Configuration], resolved_knobs: list[str] | None, designed: list[str], budget: str) -> str:
+    """Statements computed from the recorded numbers, each with its interval and the budget it is about
+    (`budget`: ", at N steps[, still improving]"); `resolved_knobs` is None for a designed study, whose
+    `designed` lines replace the level comparisons."""
     if not configs:
         return "## Verdicts\n\n- No completed runs: no verdict can be drawn."
-    lines = ["## Verdicts"]
+    lines = []
     selector = [
         c for c in configs if c.first["algorithm"] in ALGORITHMS and ALGORITHMS[c.first["algorithm"]].has_selector
     ]
@@ -455,15 +458,15 @@ def verdicts(configs: list[Configuration], resolved_knobs: list[str]) -> str:
                 f"not selected on this validation set): {verdict(effect)}."
             )
     trials = sum(1 for c in configs if c.first["role"] == tracking.ROLE_TRIAL)
-    if trials >= 2:
+    if trials >= 2 and resolved_knobs is not None:
         lines.append(
             f"- Knobs whose effect is distinguishable from noise: {', '.join(f'`{k}`' for k in resolved_knobs)}."
             if resolved_knobs
             else f"- No knob's effect is distinguishable from noise at this budget ({trials} completed trials)."
         )
-    if all(len(c.seeds) < 2 for c in configs):
+    if all(len(c.seeds) < 2 for c in configs) and not designed:
         lines.append("- One seed per configuration: training noise is not in these intervals.")
-    return "\n".join(lines)
+    return "\n".join(["## Verdicts", *designed, *(line.rstrip(".") + f"{budget}." for line in lines)])
 
 
 def headline(configs: list[Configuration]) -> str:
@@ -636,6 +639,7 @@ FIGURES = {
     "knob_effects.png": lambda record, configs: knob_figure(record, configs),
     "per_position.png": lambda record, configs: position_figure(configs),
     "accepted_lengths.png": lambda record, configs: accepted_lengths_figure(configs),
+    "learning_curves.png": lambda record, configs: curve_figure(record),
 }
 
 
@@ -655,9 +659,15 @@ def render(record: StudyRecord, out_dir: Path, on_figure: FigureHook | None = No
         plt.close(figure)
         written.add(name)
     trials = sum(1 for c in configs if c.first["role"] == tracking.ROLE_TRIAL)
-    effects, resolved = knob_effects(
-        configs, search_kinds(record), "knob_effects.png" if "knob_effects.png" in written else None
-    )
+    curves, budget = curves_section(record, "learning_curves.png" if "learning_curves.png" in written else None)
+    designed, designed_lines = effects_section(record, budget)
+    if designed is None:
+        effects, resolved = knob_effects(
+            configs, search_kinds(record), "knob_effects.png" if "knob_effects.png" in written else None
+        )
+        searched = [effects, importances(record, trials)]
+    else:
+        searched, resolved = [designed], None
     sections = [
         header(record, configs),
         leaderboard(configs),
@@ -667,10 +677,10 @@ def render(record: StudyRecord, out_dir: Path, on_figure: FigureHook | None = No
             else []
         ),
         *filter(None, [component_ablation(configs), noise_sources(configs)]),
-        effects,
-        importances(record, trials),
+        *searched,
+        curves,
         per_position(configs, "per_position.png" if "per_position.png" in written else None),
-        verdicts(configs, resolved),
+        verdicts(configs, resolved, designed_lines, budget),
         problems(record),
     ]
     return "\n\n".join(sections) + "\n"

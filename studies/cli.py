@@ -45,7 +45,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
 def parse_devices(text: str, n_jobs: int) -> list[str]:
     """`cuda:0,cuda:1,...`: one worker per device, each checked to exist here."""
-    from harness.cli import check_device
+    from harness.devices import check_device
 
     devices = [item.strip() for item in text.split(",") if item.strip()]
     if not devices:
@@ -63,7 +63,7 @@ def parse_devices(text: str, n_jobs: int) -> list[str]:
 def cmd_status(args: argparse.Namespace) -> int:
     import optuna
 
-    from studies.runner import (
+    from studies.storage import (
         ATTR_FAIL_REASON,
         ATTR_INFEASIBLE,
         ATTR_INTERRUPTED,
@@ -103,7 +103,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     import optuna
 
-    from studies.runner import storage_url
+    from studies.storage import storage_url
 
     url = storage_url(args.workdir, args.storage)
     summaries = optuna.get_all_study_summaries(storage=url)

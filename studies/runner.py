@@ -15,91 +15,49 @@ import socket
 import subprocess
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlflow
 import optuna
-import sqlalchemy
 import torch
 
 from algorithms import AlgorithmConfig
-from algorithms.metrics import ACCEPTED_LENGTHS, REALIZED_ACCEPTED_LENGTH
-from algorithms.registry import draft_config
+from algorithms.metrics import ACCEPTED_LENGTHS
+from algorithms.registry import draft_config, with_design_point
 from harness import tracking
 from harness.config import RunConfig
 from harness.evaluate import evaluate, log_evaluation
 from harness.run import Run
 from harness.tracking import RunStatus
-from harness.train import ValidationHook, Workspace, prepare_workspace, restore_draft, train, with_target_defaults
+from harness.train import Workspace, prepare_workspace, restore_draft, train, with_target_defaults
 from studies.claims import Claims, ClaimState
-from studies.schema import PUBLISHED_SUFFIX, StudyDefinition, StudyDefinitionError
+from studies.schema import DESIGN_SAMPLER, PUBLISHED_SUFFIX, StudyDefinition, StudyDefinitionError
+from studies.storage import (
+    ATTR_DEFINITION,
+    ATTR_DESIGN_POINT,
+    ATTR_EVALUATED,
+    ATTR_FAIL_REASON,
+    ATTR_INFEASIBLE,
+    ATTR_INTERRUPTED,
+    ATTR_ORIGIN,
+    ATTR_PARENT_RUN,
+    ATTR_PRUNED,
+    ATTR_RUN_ID,
+    ATTR_SEED_VALUES,
+    ATTR_WORKER,
+    heartbeat_grace_s,
+    make_storage,
+    pruning_hook,
+    storage_url,
+)
+from studies.torchrun_job import RunJob, TrialLink
 
 log = logging.getLogger(__name__)
-ATTR_PARENT_RUN = "mlflow_parent_run_id"
-ATTR_DEFINITION = "definition_yaml"
-ATTR_RUN_ID = "mlflow_run_id"  # the trial's first seed's run
-ATTR_SEED_VALUES = "seed_values"  # the objective values of each seed, in the study's seed order
-ATTR_FAIL_REASON = "fail_reason"
-ATTR_INFEASIBLE = "infeasible_reason"
-ATTR_PRUNED = "pruned_reason"
-ATTR_INTERRUPTED = "interrupted_trials"  # study attr: failed trials whose worker died (they use no budget)
-ATTR_EVALUATED = "evaluated_trials"  # study attr: trials whose draft was already evaluated by speculative decoding
-ATTR_WORKER = "worker"
-ATTR_ORIGIN = "origin_trial"  # the first trial number of a retried config: its run name, so the run resumes
 CLAIM_POLL_S = 2.0  # how often a launcher waiting on another's baseline or parent run looks again
 PARENT_CLAIM = "parent-run"
-
-
-def storage_url(workdir: Path, storage: str | None) -> str:
-    return storage or f"sqlite:///{(workdir / 'optuna.db').resolve()}"
-
-
-def heartbeat_grace_s() -> int:
-    return int(os.environ.get("DFLASH_LAB_HEARTBEAT_GRACE_S", "60"))
-
-
-def make_storage(url: str) -> optuna.storages.RDBStorage:
-    """RDB storage with heartbeats: a killed worker's trial is failed and re-queued with the same params.
-
-    A trial counts as dead after DFLASH_LAB_HEARTBEAT_GRACE_S seconds (default 60) without a heartbeat.
-    """
-    grace = heartbeat_grace_s()
-    # SQLite waits for a busy writer; a database server that does not answer fails within 10 s.
-    connect = {"timeout": 60} if url.startswith("sqlite") else {"connect_timeout": 10}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats are what we rely on
-        try:
-            return optuna.storages.RDBStorage(
-                url,
-                heartbeat_interval=max(1, grace // 3),
-                grace_period=grace,
-                heartbeat_stale_trial_callback=_requeue_interrupted,
-                engine_kwargs={"connect_args": connect},
-            )
-        except sqlalchemy.exc.OperationalError as error:
-            reason = str(error.orig).strip().splitlines()[0] if error.orig else str(error)
-            raise ConnectionError(
-                f"invalid --storage={url!r}: {reason}; allowed a reachable database (sqlite or postgresql URL)"
-            ) from None
-
-
-def _requeue_interrupted(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
-    """Record a dead worker's (already failed) trial as interrupted and re-queue its params.
-
-    The retry resumes the dead trial's run.
-    """
-    study.set_user_attr(ATTR_INTERRUPTED, sorted({*study.user_attrs.get(ATTR_INTERRUPTED, []), trial.number}))
-    study.add_trial(
-        optuna.create_trial(
-            state=optuna.trial.TrialState.WAITING,
-            params=trial.params,
-            distributions=trial.distributions,
-            user_attrs={ATTR_ORIGIN: trial.user_attrs.get(ATTR_ORIGIN, trial.number)},
-            system_attrs=dict(trial.system_attrs),  # keeps a grid sampler's cell id, so the cell is not counted twice
-        )
-    )
+DESIGN_CLAIM = "design-points"  # the one launcher that enqueues a design's points
+NO_POINT_LEFT = "no design point left: another worker took the last one"
 
 
 def make_sampler(definition: StudyDefinition, trials_so_far: int = 0) -> optuna.samplers.BaseSampler:
@@ -110,7 +68,7 @@ def make_sampler(definition: StudyDefinition, trials_so_far: int = 0) -> optuna.
         grid = {d.knob: d.grid_values() for d in definition.search_space}
         return optuna.samplers.GridSampler(grid, seed=definition.sampler_seed)
     seed = definition.sampler_seed + trials_so_far
-    if definition.sampler == "random":
+    if definition.sampler in ("random", DESIGN_SAMPLER):  # a design's trials are enqueued: nothing is sampled
         return optuna.samplers.RandomSampler(seed=seed)
     return optuna.samplers.TPESampler(seed=seed, multivariate=True)
 
@@ -173,8 +131,25 @@ def with_budget(definition: StudyDefinition, algorithm: AlgorithmConfig, seed: i
 
 
 def trial_config(definition: StudyDefinition, params: dict) -> RunConfig:
-    """The base config with the sampler's knob values."""
+    """The base config with the sampler's knob values, or at a design point (which may switch components)."""
+    if definition.design is not None:
+        return with_budget(definition, with_design_point(definition.base.algorithm, params))
     return with_budget(definition, definition.base.algorithm.replace(**params))
+
+
+def enqueue_design(definition: StudyDefinition, study: optuna.Study, claims: Claims) -> None:
+    """Queue every design point once as a waiting trial; a relaunch or a second launcher adds none."""
+    if definition.design is None or claims.state(DESIGN_CLAIM) == ClaimState.DONE:
+        return
+    with claims.hold(DESIGN_CLAIM) as mine:
+        if not mine:
+            return
+        for index, point in enumerate(definition.design.points):
+            study.enqueue_trial(point, user_attrs={ATTR_DESIGN_POINT: index}, skip_if_exists=True)
+
+
+def waiting_count(study: optuna.Study) -> int:
+    return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
 
 
 def baseline_config(definition: StudyDefinition, baseline: str, seed: int) -> RunConfig:
@@ -223,8 +198,6 @@ class StudyRunner:
         )
         prunes = len(self.definition.objectives) == 1
         if self.definition.nproc_per_node > 1:
-            from studies.torchrun_job import RunJob, TrialLink
-
             link = None if trial is None else TrialLink.of(trial, self.storage_url, self.definition.pruner, prunes)
             job = RunJob(config.to_dict(), str(self.workdir), self.device, options, link)
             return job.launch(self.definition.nproc_per_node)
@@ -259,8 +232,15 @@ class StudyRunner:
         print(f"[baseline] {baseline} seed {seed}: " + _summary(result.validation), flush=True)
 
     def suggest(self, trial: optuna.Trial) -> dict:
-        """The sampler's values for every dimension of the search space."""
+        """The sampler's values for every dimension of the search space; a design trial's enqueued point."""
         params = {}
+        if self.definition.design is not None:
+            if ATTR_DESIGN_POINT not in trial.user_attrs:
+                trial.set_user_attr(ATTR_PRUNED, NO_POINT_LEFT)
+                raise optuna.TrialPruned(NO_POINT_LEFT)
+            for factor, levels in self.definition.design.design.levels.items():
+                params[factor] = trial.suggest_categorical(factor, list(levels))
+            return params
         for dim in self.definition.search_space:
             if dim.kind == "categorical":
                 params[dim.knob] = trial.suggest_categorical(dim.knob, dim.choices)
@@ -275,6 +255,8 @@ class StudyRunner:
         params = self.suggest(trial)
         config = trial_config(self.definition, params)
         tags = {tracking.TAG_TRIAL: str(trial.number), tracking.TAG_ROLE: tracking.ROLE_TRIAL}
+        if self.definition.design is not None:
+            tags[tracking.TAG_DESIGN_POINT] = json.dumps(params, sort_keys=True)
         try:
             draft_config(with_target_defaults(config, self.workspace.target).algorithm, self.workspace.target.spec)
         except ValueError as error:
@@ -367,6 +349,15 @@ class StudyRunner:
             if finished_count(study) >= definition.n_trials:
                 study.stop()
 
+        if definition.design is not None:  # every point runs once: work until the queue is empty
+            if waiting_count(self.study):
+                self.study.optimize(
+                    self.objective,
+                    callbacks=[lambda study, _trial: None if waiting_count(study) else study.stop()],
+                    catch=(Exception,),
+                    gc_after_trial=True,
+                )
+            return
         if finished_count(self.study) >= definition.n_trials:
             return
         if definition.sampler == "grid":  # stop a grid once every cell is tried, whatever n_trials says
@@ -438,6 +429,8 @@ class StudyRunner:
                     {"trial": t.number, "values": t.values, "params": t.params} for t in self.study.best_trials
                 ]
             try:
+                if self.definition.design is not None:
+                    raise ValueError("a designed study reports fitted effects instead (see its report)")
                 importances = optuna.importance.get_param_importances(
                     self.study, target=(lambda t: t.values[0]) if len(self.definition.objectives) > 1 else None
                 )
@@ -454,20 +447,6 @@ class StudyRunner:
         path.write_text(json.dumps(summary, indent=2, default=str))
         client.log_artifact(self.parent_run_id, str(path))
         return summary
-
-
-def pruning_hook(trial: optuna.Trial, pruner: str, prunes: bool) -> ValidationHook:
-    """Report each validation to Optuna; a returned reason stops the run as pruned (`prunes`: the study has
-    one objective; Optuna cannot prune multi-objective trials)."""
-
-    def on_validation(step: int, metrics: dict[str, float]) -> str | None:
-        realized = metrics[REALIZED_ACCEPTED_LENGTH]
-        trial.report(realized, step)
-        if prunes and trial.should_prune():
-            return f"at step {step} by the {pruner} rule (realized {realized:.3f})"
-        return None
-
-    return on_validation
 
 
 def _summary(values: dict[str, float]) -> str:
@@ -518,6 +497,16 @@ def _create_parent_run(definition: StudyDefinition, workdir: Path, experiment_id
                 "search_space": json.dumps({d.knob: dataclasses.asdict(d) for d in definition.search_space}),
                 "baselines": ",".join(definition.baselines),
                 "seeds": ",".join(map(str, definition.seeds)),
+                **(
+                    {
+                        "design": json.dumps(definition.design.spec, default=str),
+                        "design_margin": definition.design.margin,
+                        "design_interactions": definition.design.interactions,
+                        "design_reference": definition.design.reference or "",
+                    }
+                    if definition.design is not None
+                    else {}
+                ),
             }.items()
         },
     }
@@ -581,6 +570,7 @@ def launch(
     study = open_study(definition, url)
     claims = Claims(study._storage, definition.name, heartbeat_grace_s())
     parent = ensure_parent_run(definition, study, workdir, claims)
+    enqueue_design(definition, study, claims)
     if others and device == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // (len(others) + 1)))
     workspace = prepare_workspace(definition.base, workdir, device)

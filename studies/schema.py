@@ -11,11 +11,14 @@ import yaml
 
 from algorithms import ALGORITHMS, SharedKnobs, algorithm_entry
 from algorithms.metrics import DRAFT_STEP_MS, REALIZED_ACCEPTED_LENGTH
+from algorithms.registry import COMPONENT_FACTORS, with_design_point
 from harness.config import RunConfig
+from harness.design import DESIGN_TYPES, FACTORIAL, ONE_AT_A_TIME, Design, DesignError, design_from_spec
 from harness.evaluate import EvalConfig
 
 OBJECTIVES = {REALIZED_ACCEPTED_LENGTH: "maximize", DRAFT_STEP_MS: "minimize"}
 SAMPLERS = ("tpe", "grid", "random")
+DESIGN_SAMPLER = "design"  # a designed study's trials are its enqueued points, never sampled
 PRUNERS = ("median", "hyperband", "none")
 # A baseline runs a registered algorithm with the study's pinned shared knobs. `NAME` takes the base's
 # algorithm knobs where NAME has them (a component ablation); `NAME_defaults` takes NAME's published ones.
@@ -25,6 +28,11 @@ DEFAULT_BASELINES = ("dflash", f"dflash2{PUBLISHED_SUFFIX}")
 BUDGET_KEYS = ("n_trials", "timeout_s", "steps_per_trial")
 SAMPLER_KEYS, PRUNER_KEYS = ("type", "seed"), ("type", "warmup_steps")
 EVALUATE_KEYS = ("best_trials", "num_prompts", "max_new_tokens", "temperatures")
+DESIGN_KEYS = ("type", "factors", "fraction", "generators", "centre", "interactions", "margin", "reference")
+INTERACTIONS = ("auto", True, False)
+# The equivalence margin of a `bounded` verdict, in accepted tokens per cycle: about 3% of the accepted
+# lengths these drafts reach (1.1-1.5), below what a decoding benchmark's wall time resolves (README).
+DEFAULT_MARGIN = 0.05
 
 
 class StudyDefinitionError(ValueError):
@@ -79,10 +87,26 @@ class StudyDefinition:
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     # How each run is launched, not what it trains: >1 makes every trial and baseline a torchrun job.
     nproc_per_node: int = 1
+    design: StudyDesign | None = None  # a designed study: its points are the trials, in a fixed order
 
     @property
     def directions(self) -> list[str]:
         return [OBJECTIVES[o] for o in self.objectives]
+
+
+@dataclass
+class StudyDesign:
+    """A study file's `design:`: the points it runs, and how its report fits them."""
+
+    spec: dict[str, Any]  # as written (normalised), logged to the parent run as `study.design`
+    design: Design
+    interactions: str | bool = "auto"  # fit the two-factor interactions the design resolves
+    margin: float = DEFAULT_MARGIN
+    reference: str | None = None  # a baseline whose runs join the fit as the reference arm
+
+    @property
+    def points(self) -> list[dict[str, Any]]:
+        return self.design.points()
 
 
 def _require_mapping(path: str, name: str, value: Any) -> dict:
@@ -130,6 +154,7 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
         "baselines",
         "seeds",
         "evaluate",
+        "design",
     }
     for key in data:
         if key not in known:
@@ -174,6 +199,21 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
     if pruner.get("type") not in PRUNERS:
         raise _fail(path, "pruner.type", pruner.get("type"), f"one of {list(PRUNERS)}")
 
+    design = None
+    if "design" in data:
+        for key in ("sampler", "pruner"):
+            if key in data and not (key == "pruner" and data[key] == {"type": "none"}):
+                raise _fail(
+                    path,
+                    key,
+                    data[key],
+                    "no sampler and no pruner in a design file (its points are fixed, and a pruned point would "
+                    "bias its effect)",
+                )
+        if space:
+            raise _fail(path, "search_space", space, "{} in a design file (the design lists its factors)")
+        design = _design(path, data["design"], run, tuned)
+
     objective = data.get("objective", REALIZED_ACCEPTED_LENGTH)
     objectives = objective if isinstance(objective, list) else [objective]
     if not objectives or any(o not in OBJECTIVES for o in objectives) or len(set(objectives)) != len(objectives):
@@ -203,9 +243,18 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
     baselines = data.get("baselines", list(DEFAULT_BASELINES))
     if not isinstance(baselines, list) or any(b not in BASELINES for b in baselines):
         raise _fail(path, "baselines", baselines, f"a list from {list(BASELINES)}")
+    if design is not None and design.reference is not None and design.reference not in baselines:
+        raise _fail(path, "design.reference", design.reference, f"one of the study's baselines {baselines}")
+    if design is not None:
+        n_trials = len(design.points)
     seeds = data.get("seeds", [run.train.seed])
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
-        raise _fail(path, "seeds", seeds, "a non-empty list of integers")
+    if (
+        not isinstance(seeds, list)
+        or not seeds
+        or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seeds)
+        or len(set(seeds)) != len(seeds)
+    ):
+        raise _fail(path, "seeds", seeds, "a non-empty list of distinct integers in [0, 2**32)")
 
     if sampler["type"] == "grid":
         for dimension in dimensions:
@@ -234,9 +283,9 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
         name=name,
         base=run,
         search_space=dimensions,
-        sampler=sampler["type"],
+        sampler=sampler["type"] if design is None else DESIGN_SAMPLER,
         sampler_seed=int(sampler.get("seed", 0)),
-        pruner=pruner["type"],
+        pruner=pruner["type"] if design is None else "none",
         pruner_warmup_steps=int(pruner.get("warmup_steps", 0)),
         objectives=objectives,
         n_trials=n_trials,
@@ -252,6 +301,62 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
             temperatures=tuple(float(t) for t in temperatures),
         ),
         nproc_per_node=nproc_per_node,
+        design=design,
+    )
+
+
+def _design(path: str, value: Any, run: RunConfig, tuned: tuple[str, ...]) -> StudyDesign:
+    """`design:`: a factorial (two levels per factor, full or fractional) or a one-at-a-time design."""
+    spec = dict(_require_mapping(path, "design", value))
+    for key in spec:
+        if key not in DESIGN_KEYS:
+            raise _fail(path, f"design.{key}", spec[key], f"keys {list(DESIGN_KEYS)}")
+    kind = spec.get("type")
+    if kind not in DESIGN_TYPES:
+        raise _fail(path, "design.type", kind, f"one of {list(DESIGN_TYPES)}")
+    factors = _require_mapping(path, "design.factors", spec.get("factors"))
+    allowed = [*tuned, *COMPONENT_FACTORS]
+    if not factors:
+        raise _fail(path, "design.factors", factors, f"a mapping of factors from {allowed} to their levels")
+    for factor, levels in factors.items():
+        where = f"design.factors.{factor}"
+        if factor not in allowed:
+            raise _fail(path, "design.factors", factor, f"factors from {allowed}")
+        if not isinstance(levels, list) or len(set(map(str, levels))) != len(levels):
+            raise _fail(path, where, levels, "a list of distinct levels")
+        if kind == FACTORIAL and len(levels) != 2:
+            raise _fail(path, where, levels, "exactly two levels, low and high, in a factorial")
+        if factor in COMPONENT_FACTORS and any(not isinstance(level, bool) for level in levels):
+            raise _fail(path, where, levels, "component levels [off, on]")
+    for key, check, allowed_text in (
+        ("fraction", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer p >= 0"),
+        ("margin", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a number > 0"),
+        ("interactions", lambda v: v in INTERACTIONS, f"one of {list(INTERACTIONS)}"),
+        ("generators", lambda v: isinstance(v, dict), "a mapping of generated factor to a list of base factors"),
+        ("centre", lambda v: isinstance(v, dict), "a mapping of factor to its centre level"),
+    ):
+        if key in spec and not check(spec[key]):
+            raise _fail(path, f"design.{key}", spec[key], allowed_text)
+    if kind == FACTORIAL and "centre" in spec:
+        raise _fail(path, "design.centre", spec["centre"], "no centre in a factorial (one_at_a_time only)")
+    if kind == ONE_AT_A_TIME:
+        base = {**dataclasses.asdict(run.algorithm.shared), **dataclasses.asdict(run.algorithm.knobs)}
+        base |= {"conv": run.algorithm.entry.has_conv, "selector": run.algorithm.entry.has_selector}
+        spec["centre"] = {f: spec.get("centre", {}).get(f, base.get(f)) for f in factors}
+    try:
+        design = design_from_spec(spec)
+    except DesignError as error:
+        raise StudyDefinitionError(f"{path}: invalid field design: {error}") from None
+    for point in design.points():  # every point must be a valid run, before anything trains
+        try:
+            with_design_point(run.algorithm, point).validate()
+        except (TypeError, ValueError) as error:
+            raise StudyDefinitionError(f"{path}: design point {point}: {error}") from None
+    reference = spec.get("reference")
+    if reference is not None and not isinstance(reference, str):
+        raise _fail(path, "design.reference", reference, "a baseline name")
+    return StudyDesign(
+        spec, design, spec.get("interactions", "auto"), float(spec.get("margin", DEFAULT_MARGIN)), reference
     )
 
 

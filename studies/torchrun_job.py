@@ -19,6 +19,7 @@ from harness.config import RunConfig
 from harness.distributed import joined, run_ranks
 from harness.files import atomic_write, remove
 from harness.train import TrainResult, prepare_workspace, train
+from studies.storage import make_storage, pruning_hook
 
 
 @dataclass
@@ -36,8 +37,6 @@ class TrialLink:
         return cls(storage_url, trial.study.study_name, trial._trial_id, pruner, prunes)
 
     def hook(self):
-        from studies.runner import make_storage, pruning_hook
-
         study = optuna.load_study(study_name=self.study_name, storage=make_storage(self.storage_url))
         return pruning_hook(optuna.trial.Trial(study, self.trial_id), self.pruner, self.prunes)
 

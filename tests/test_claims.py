@@ -8,13 +8,13 @@ import time
 import pytest
 
 from studies.claims import HEARTBEAT_ATTR, Claims, ClaimState
-from studies.runner import make_storage
+from studies.storage import make_storage
 
 RACER = textwrap.dedent(
     """
     import sys, time
     from studies.claims import Claims
-    from studies.runner import make_storage
+    from studies.storage import make_storage
 
     url, start = sys.argv[1], float(sys.argv[2])
     claims = Claims(make_storage(url), "race", grace_s=60)

@@ -181,7 +181,7 @@ def test_a_study_runs_each_trial_as_a_torchrun_job(e2e_workspace, e2e_workdir, t
     """`train.nproc_per_node: 2`: the trial runs on 2 ranks; rank 0 reports to the Optuna trial."""
     import optuna
 
-    from studies.runner import ATTR_RUN_ID, storage_url
+    from studies.storage import ATTR_RUN_ID, storage_url
 
     text = (ROOT / "tests" / "data" / "tiny_study.yaml").read_text()
     for old, new in {

@@ -154,3 +154,59 @@ def test_unfinished_runs_are_listed_as_problems_not_ranked(tmp_path):
     assert "infeasible" in problems and "dflash2" in problems
     assert "dflash2" not in markdown.split("## Leaderboard")[1].split("##")[0]
     assert len(configurations(_record(runs).runs, _record(runs).documents)) == 1
+
+
+def _designed_record(conv_effect: float, selector_effect: float, rising: bool) -> StudyRecord:
+    """A stored 2x2 component design on three seeds, with known effects and learning curves."""
+    runs, curves = [], {}
+    seed_noise = np.random.default_rng(5)
+    for trial, (conv, selector) in enumerate(((False, False), (True, False), (False, True), (True, True))):
+        for seed in range(3):
+            realized = 1.2 + conv_effect * conv + selector_effect * selector + seed_noise.normal(0, 0.01)
+            row, frame = _run("", seed, realized - 0.05, realized, realized + 0.3, trial=trial)
+            row["design_point"] = f'{{"conv": {str(conv).lower()}, "selector": {str(selector).lower()}}}'
+            row["wall_s"] = 60.0
+            runs.append((row, frame))
+            late = realized - (0.1 if rising else 0.0)
+            curves[row["run_id"]] = pd.DataFrame(
+                {
+                    "step": [20, 40, 60],
+                    REALIZED_ACCEPTED_LENGTH: [realized - 0.2, late, realized],
+                    "realized_accepted_length_se": [0.01, 0.01, 0.01],
+                    "subset_rows": [24, 24, 24],
+                }
+            )
+    record = _record(runs)
+    record.parent["params"] = {
+        "study.design": '{"type": "factorial", "factors": {"conv": [false, true], "selector": [false, true]}}',
+        "study.design_margin": "0.05",
+        "study.design_interactions": "True",
+        "study.seeds": "0,1,2",
+    }
+    record.curves = curves
+    return record
+
+
+def test_designed_report_labels_a_real_effect_resolved_and_nulls_bounded(tmp_path):
+    markdown = render(_designed_record(conv_effect=0.2, selector_effect=0.0, rising=True), tmp_path)
+    section = markdown.split("## Designed effects")[1].split("## Learning curves")[0]
+    assert "full 2^2 factorial: 4 points" in section and "12 runs (12.0 min of run wall time), 8 residual" in section
+    rows = {line.split("|")[1].strip(): line for line in section.splitlines() if line.startswith("| `")}
+    assert "| resolved |" in rows["`conv`"] and rows["`conv`"].split("|")[2].strip().startswith("+0.2")
+    assert "| bounded |" in rows["`selector`"] and "| bounded |" in rows["`conv×selector`"]
+    verdicts = markdown.split("## Verdicts")[1]
+    assert "- `conv`: +0.2" in verdicts and ": resolved (8 residual df), at 60 steps, still improving." in verdicts
+    assert "- `selector`: " in verdicts and "bounded, |effect| < 0.0" in verdicts
+    # Every verdict, not only the design's, carries the budget; no knob-level comparison, no fANOVA section.
+    lines = [line for line in verdicts.splitlines() if line.startswith("- ")]
+    assert lines and all(line.endswith("at 60 steps, still improving.") for line in lines)
+    assert "## Knob effects" not in markdown and "importances" not in markdown
+    assert (tmp_path / "learning_curves.png").exists()
+
+
+def test_designed_report_without_a_late_gain_says_so(tmp_path):
+    markdown = render(_designed_record(conv_effect=0.0, selector_effect=0.0, rising=False), tmp_path)
+    assert "No improvement over the last third is resolved at 60 steps." in markdown
+    verdicts = markdown.split("## Verdicts")[1]
+    assert "still improving" not in verdicts and "at 60 steps." in verdicts
+    assert "resolved (8 residual df)" not in verdicts.split("Selector gain")[0]

@@ -20,7 +20,7 @@ from scipy import stats
 
 from harness import tracking
 from reports.render import GENERATED_PREFIX
-from studies.runner import ATTR_INFEASIBLE, ATTR_RUN_ID, ATTR_WORKER, storage_url
+from studies.storage import ATTR_INFEASIBLE, ATTR_RUN_ID, ATTR_WORKER, storage_url
 
 pytestmark = pytest.mark.slow
 TINY = Path(__file__).parent / "data" / "tiny_study.yaml"
@@ -441,8 +441,9 @@ def test_a_trial_that_raises_is_recorded_failed_and_the_study_goes_on(e2e_worksp
     from unittest import mock
 
     from studies.claims import Claims
-    from studies.runner import ATTR_FAIL_REASON, StudyRunner, make_sampler
+    from studies.runner import StudyRunner, make_sampler
     from studies.schema import load_study
+    from studies.storage import ATTR_FAIL_REASON
 
     definition = load_study(_study_file(tmp_path, "raises", **{"conv_group_size: [16, 7]": "conv_group_size: [16]"}))
     study = optuna.create_study(study_name="raises", sampler=make_sampler(definition))

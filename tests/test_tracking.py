@@ -63,7 +63,7 @@ def test_a_pruned_run_reads_as_pruned_in_the_runs_table(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
     from harness.run import Run
-    from studies.runner import pruning_hook
+    from studies.storage import pruning_hook
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     trial = SimpleNamespace(report=lambda value, step: None, should_prune=lambda: True)

@@ -1,0 +1,244 @@
+"""Report sections of a designed study (its fitted effects, cost and verdicts) and every study's learning curves.
+
+The design comes back from the parent run's `study.design` param, each run's point from its
+`dflash_lab.design_point` tag, each run's value and within-run standard error from its per-document pairs:
+the report is rebuilt from the tracking store alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from algorithms.metrics import REALIZED_ACCEPTED_LENGTH, se_name
+from harness import tracking
+from harness.design import Design, design_from_spec
+from harness.uncertainty import Estimate, mean_estimate, ratio_estimate, t_interval, unpaired_difference
+from harness.validation import SUBSET_ROWS, pairs
+from reports.collect import StudyRecord
+from reports.effects import ARM, Fit, Unit, fit_design
+
+MIN_RESIDUAL_DOF = 4  # `interactions: auto` fits the resolved 2FIs only while this many residual df remain
+LAST_PART = 1 / 3  # the learning-curve gain is measured over the last third of training
+
+
+@dataclass(frozen=True)
+class RecordedDesign:
+    """The design a study declared, as its parent run recorded it."""
+
+    design: Design
+    margin: float
+    interactions: str
+    reference: str
+
+
+def recorded_design(record: StudyRecord) -> RecordedDesign | None:
+    params = record.parent["params"]
+    if "study.design" not in params:
+        return None
+    spec = json.loads(params["study.design"])
+    return RecordedDesign(
+        design_from_spec(spec),
+        float(params.get("study.design_margin", 0.05)),
+        params.get("study.design_interactions", "auto"),
+        params.get("study.design_reference", ""),
+    )
+
+
+def run_value(documents: pd.DataFrame, metric: str = REALIZED_ACCEPTED_LENGTH) -> Estimate:
+    return ratio_estimate(*pairs(documents, metric))
+
+
+def design_units(record: StudyRecord, recorded: RecordedDesign) -> list[Unit]:
+    """Every finished design run and reference-baseline run with its per-document pairs: one unit each."""
+    units = []
+    for _, row in record.runs.iterrows():
+        if row["status"] != "finished" or row["run_id"] not in record.documents:
+            continue
+        if row["role"] == tracking.ROLE_TRIAL and row["design_point"]:
+            point = json.loads(row["design_point"])
+        elif row["role"] == tracking.ROLE_BASELINE and recorded.reference and row["baseline"] == recorded.reference:
+            point = None
+        else:
+            continue
+        estimate = run_value(record.documents[row["run_id"]])
+        units.append(Unit(point, estimate.value, estimate.se, row["run_name"]))
+    return units
+
+
+def fit_recorded(recorded: RecordedDesign, units: list[Unit]) -> tuple[Fit, bool]:
+    """The fit, with the resolved two-factor interactions when asked for (or, on `auto`, when enough residual
+    degrees of freedom remain); returns whether they were fitted."""
+    wanted = recorded.interactions in (True, "True", "true")
+    if recorded.interactions == "auto":
+        fitted = fit_design(recorded.design, units, recorded.margin, interactions=True)
+        wanted = bool(recorded.design.terms(True)[len(recorded.design.factors) :]) and (
+            fitted.residual_dof >= MIN_RESIDUAL_DOF
+        )
+    return fit_design(recorded.design, units, recorded.margin, interactions=wanted), wanted
+
+
+def term_label(term: str, reference: str) -> str:
+    if term == ARM:
+        return f"design runs (mean over its points) − `{reference}`"
+    return f"`{term}`"
+
+
+def effects_section(record: StudyRecord, improving: str) -> tuple[str | None, list[str]]:
+    """The designed-effects section and its verdict lines (None for a study without a design)."""
+    recorded = recorded_design(record)
+    if recorded is None:
+        return None, []
+    units = design_units(record, recorded)
+    design = recorded.design
+    parts = [
+        "## Designed effects",
+        f"**Design:** {design.describe()}, seeds {record.parent['params'].get('study.seeds')}.",
+    ]
+    parts.append("Alias structure:\n\n" + "\n".join(f"- {line}" for line in design.alias_lines()))
+    fit, with_interactions = fit_recorded(recorded, units)
+    wall = record.runs.loc[record.runs["run_name"].isin([u.name for u in units]), "wall_s"].sum()
+    cost = (
+        f"**Cost:** {len(units)} runs ({wall / 60:.1f} min of run wall time), {fit.residual_dof} residual "
+        f"degrees of freedom."
+    )
+    parts.append(cost)
+    if not fit.effects:
+        parts.append(f"No effect can be estimated yet: {fit.note or 'no finished design run'}.")
+        return "\n\n".join(parts), [f"- Designed effects: none estimable ({fit.note or 'no finished run'})."]
+    parts.append(
+        "Each run is one unit: its realized accepted length on every validation anchor, weighted by "
+        "1 / (τ² + its clustered within-run variance), with τ² the variance between runs beyond measurement "
+        f"(training noise and unfitted terms; estimated τ = {math.sqrt(fit.tau2):.3f}). The 95% intervals are t "
+        f"intervals on the {fit.residual_dof} residual degrees of freedom, so training noise is inside them. "
+        f"*Resolved*: the interval excludes 0. *Bounded*: it lies inside ±{recorded.margin:g} accepted tokens "
+        "(the study's margin), so the knob does not matter at this budget. *Detectable* is the smallest "
+        "|effect| this design resolves with 80% power."
+        + (
+            ""
+            if with_interactions or len(design.terms(True)) == len(design.factors)
+            else " Two-factor interactions are not fitted (too few residual degrees of freedom): they are pooled "
+            "into the residual, which widens the intervals if they exist."
+        )
+    )
+    rows = [
+        [term_label(e.term, recorded.reference), e.estimate.text(signed=True), e.label, f"{e.detectable:.3f}"]
+        for e in fit.effects
+    ]
+    parts.append(table_markdown(["effect (high − low)", "estimate [95% interval]", "label", "detectable"], rows))
+    lines = [
+        f"- {term_label(e.term, recorded.reference)}: {e.text()} ({fit.residual_dof} residual df){improving}."
+        for e in fit.effects
+    ]
+    return "\n\n".join(parts), lines
+
+
+def table_markdown(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def curve_estimate(row: pd.Series, metric: str = REALIZED_ACCEPTED_LENGTH) -> Estimate:
+    se = row.get(se_name(metric), float("nan"))
+    return t_interval(float(row[metric]), float(se), int(row.get(SUBSET_ROWS, 0) or 0))
+
+
+def last_part_gain(curve: pd.DataFrame, metric: str = REALIZED_ACCEPTED_LENGTH) -> tuple[Estimate, int, int] | None:
+    """The subset's gain from the validation nearest before the last third to the last one. Both are on the
+    same anchors, but the difference is taken unpaired (the per-row pairs are not kept), so its interval is
+    conservative."""
+    steps = curve["step"].tolist()
+    if len(steps) < 2 or metric not in curve:
+        return None
+    last = steps[-1]
+    earlier = [s for s in steps[:-1] if s <= last * (1 - LAST_PART)] or steps[:1]
+    start = earlier[-1]
+    at = curve.set_index("step")
+    return unpaired_difference(curve_estimate(at.loc[last], metric), curve_estimate(at.loc[start], metric)), start, last
+
+
+def curves_section(record: StudyRecord, figure: str | None) -> tuple[str, str]:
+    """Learning curves and each run's late gain; returns the section and the suffix every verdict carries."""
+    parts = ["## Learning curves"]
+    rows, gains, steps = [], [], set()
+    for _, run in record.runs.iterrows():
+        curve = record.curves.get(run["run_id"])
+        found = last_part_gain(curve) if curve is not None else None
+        if found is None:
+            continue
+        gain, start, last = found
+        gains.append(gain.value)
+        steps.add(last)
+        rows.append([run["run_name"], f"{start} → {last}", gain.text(signed=True)])
+    if not rows:
+        parts.append("No run recorded a learning curve (curve/* metrics).")
+        return "\n\n".join(parts), ""
+    budget = ", ".join(map(str, sorted(steps)))
+    mean = mean_estimate(gains)
+    improving = not math.isnan(mean.low) and mean.low > 0
+    parts.append(
+        "Realized accepted length on the fixed subset of validation anchors at every validation (the solid "
+        "lines); the final value on every anchor, which the tables above use, is the separate marker at the last "
+        "step. *Gain* is each run's change over the last third of training on the subset, with a conservative "
+        "(unpaired) 95% interval; the mean gain over runs carries training noise."
+    )
+    if figure:
+        parts.append(f"![learning curves]({figure})")
+    parts.append(
+        f"**Mean gain over the last third, over {len(gains)} runs:** {mean.text(signed=True)}. "
+        + (
+            f"The runs were still improving at {budget} steps: every verdict in this report is a statement "
+            f"about drafts trained {budget} steps, not about converged ones."
+            if improving
+            else f"No improvement over the last third is resolved at {budget} steps."
+        )
+    )
+    parts.append(table_markdown(["run", "steps", "gain [95% interval]"], rows))
+    suffix = f", at {budget} steps, still improving" if improving else f", at {budget} steps"
+    return "\n\n".join(parts), suffix
+
+
+def curve_figure(record: StudyRecord):
+    """Every run's subset learning curve, with its final every-anchor value as a separate marker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not record.curves:
+        return None
+    fig, axis = plt.subplots(figsize=(7.0, 4.0))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for index, (_, run) in enumerate(record.runs[record.runs["run_id"].isin(record.curves)].iterrows()):
+        curve, color = record.curves[run["run_id"]], colors[index % len(colors)]
+        axis.plot(curve["step"], curve[REALIZED_ACCEPTED_LENGTH], "-o", color=color, markersize=3, lw=1)
+        if run["run_id"] in record.documents:
+            final = run_value(record.documents[run["run_id"]])
+            axis.plot([curve["step"].iloc[-1]], [final.value], "x", color=color, markersize=7)
+    axis.plot([], [], "-o", color="gray", markersize=3, label="fixed subset of anchors")
+    axis.plot([], [], "x", color="gray", label="final: every anchor")
+    axis.set_xlabel("step")
+    axis.set_ylabel("realized accepted length")
+    axis.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def design_metrics(record: StudyRecord) -> dict[str, float]:
+    """What a design cost and resolved, for the parent run: runs, wall time, residual degrees of freedom."""
+    recorded = recorded_design(record)
+    if recorded is None:
+        return {}
+    units = design_units(record, recorded)
+    fit, _ = fit_recorded(recorded, units)
+    wall = record.runs.loc[record.runs["run_name"].isin([u.name for u in units]), "wall_s"]
+    return {
+        "design/runs": float(len(units)),
+        "design/run_wall_s": float(np.nansum(wall)),
+        "design/residual_dof": float(fit.residual_dof),
+        "design/resolved_effects": float(sum(e.label == "resolved" for e in fit.effects)),
+    }
