@@ -44,7 +44,9 @@ class TrainConfig:
         choices=FEATURE_MODES,
     )
     precision: str = knob(
-        "auto", "auto: bf16 autocast on CUDA, fp32 on CPU; bf16 autocasts on CPU too", choices=PRECISIONS
+        "auto",
+        "auto: bf16 autocast on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), else fp32",
+        choices=PRECISIONS,
     )
 
     def validate(self) -> None:

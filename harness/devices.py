@@ -3,6 +3,9 @@ generators are made, and autocast is chosen. CPU and CUDA run the same code thro
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
 
 from algorithms.blocks import Anchors, PackedRow, host_view
@@ -46,7 +49,7 @@ def synchronize(device: torch.device | str) -> None:
 
 
 def autocast(device: str | torch.device, precision: str):
-    """bf16 autocast with fp32 master weights, or fp32; `auto` is bf16 on CUDA and fp32 on CPU.
+    """bf16 autocast with fp32 master weights, or fp32; `auto` is bf16 on CUDA and on CPUs with native bf16.
 
     bf16 on CPU is about 2x faster where the CPU has native bf16 (AVX512-BF16/AMX), much slower elsewhere.
     """
@@ -55,8 +58,23 @@ def autocast(device: str | torch.device, precision: str):
 
 
 def uses_bf16(device: str | torch.device, precision: str) -> bool:
-    """Whether `precision` on `device` computes in bf16 (`auto`: on CUDA)."""
-    return precision == "bf16" or (precision == "auto" and torch.device(device).type == "cuda")
+    """Whether `precision` on `device` computes in bf16 (`auto`: on CUDA, and on a CPU with native bf16)."""
+    if precision != "auto":
+        return precision == "bf16"
+    return torch.device(device).type == "cuda" or (torch.device(device).type == "cpu" and cpu_has_native_bf16())
+
+
+CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 matmuls
+
+
+@functools.cache
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """AVX512-BF16 or AMX-BF16 on this CPU (Linux flags; elsewhere False, so `auto` stays fp32)."""
+    try:
+        flags = next((line for line in Path(cpuinfo).read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in CPU_BF16_FLAGS)
 
 
 def check_device(text: str) -> None:

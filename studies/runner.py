@@ -137,6 +137,26 @@ def trial_config(definition: StudyDefinition, params: dict) -> RunConfig:
     return with_budget(definition, definition.base.algorithm.replace(**params))
 
 
+def check_against_target(definition: StudyDefinition, workdir: Path) -> None:
+    """The base, and every design point, against the target's config (no weights): a knob the target cannot
+    take is refused at launch, before anything trains, instead of failing every trial."""
+    from harness.targets import target_config, target_spec
+
+    spec = target_spec(target_config(definition.base.target, workdir), definition.base.target)
+    points = definition.design.points if definition.design is not None else []
+    for where, config in [("base", definition.base.algorithm)] + [
+        (f"design point {point}", with_design_point(definition.base.algorithm, point)) for point in points
+    ]:
+        if config.shared.mask_token_id is None:  # the target picks one at train time
+            config = config.replace(mask_token_id=0)
+        try:
+            draft_config(config, spec)
+        except ValueError as error:
+            raise StudyDefinitionError(
+                f"study {definition.name!r}: {where}: {error} (target {definition.base.target})"
+            ) from None
+
+
 def enqueue_design(definition: StudyDefinition, study: optuna.Study, claims: Claims) -> None:
     """Queue every design point once as a waiting trial; a relaunch or a second launcher adds none."""
     if definition.design is None or claims.state(DESIGN_CLAIM) == ClaimState.DONE:
@@ -350,6 +370,7 @@ class StudyRunner:
                 study.stop()
 
         if definition.design is not None:  # every point runs once: work until the queue is empty
+            optuna.storages.fail_stale_trials(self.study)  # a dead worker's point goes back into the queue
             if waiting_count(self.study):
                 self.study.optimize(
                     self.objective,
@@ -535,6 +556,11 @@ def worker_devices(device: str, n_jobs: int, devices: list[str] | None) -> tuple
     return device, [device] * (n_jobs - 1)
 
 
+def cpu_threads(workers: int) -> int:
+    """Each of `workers` CPU processes' share of this machine's cores."""
+    return max(1, (os.cpu_count() or 2) // workers)
+
+
 def spawn_workers(
     study_file: Path, devices: list[str], workdir: Path, url: str, system_metrics: bool = False
 ) -> list[subprocess.Popen]:
@@ -542,6 +568,8 @@ def spawn_workers(
     workers = []
     for number, device in enumerate(devices, 1):
         inside, environment = pinned(device)
+        if inside == "cpu":  # CPU workers share the cores: one share each, like the launcher's own
+            environment["OMP_NUM_THREADS"] = str(cpu_threads(len(devices) + 1))
         args = [sys.executable, "-m", "harness.cli", "study", "launch", str(study_file), "--worker"]
         args += ["--workdir", str(workdir), "--storage", url, "--device", inside, "--no-report"]
         args += ["--system-metrics"] if system_metrics else []
@@ -567,12 +595,13 @@ def launch(
     device, others = worker_devices(device, n_jobs, devices)
     url = storage_url(workdir, storage)
     workdir.mkdir(parents=True, exist_ok=True)  # the default SQLite storage lives there
+    check_against_target(definition, workdir)
     study = open_study(definition, url)
     claims = Claims(study._storage, definition.name, heartbeat_grace_s())
     parent = ensure_parent_run(definition, study, workdir, claims)
     enqueue_design(definition, study, claims)
     if others and device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // (len(others) + 1)))
+        torch.set_num_threads(cpu_threads(len(others) + 1))
     workspace = prepare_workspace(definition.base, workdir, device)
     mlflow.set_experiment(tracking.experiment_name(definition.name))
     runner = StudyRunner(definition, workspace, study, parent, claims, device, system_metrics, url)

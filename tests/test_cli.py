@@ -70,7 +70,7 @@ def test_bad_rank_options_name_flag_value_and_range(tmp_path, flag, value, messa
 
 def test_bad_study_file_names_the_field(tmp_path):
     study = (
-        (ROOT / "studies" / "default.yaml")
+        (ROOT / "studies" / "search.yaml")
         .read_text()
         .replace("candidate_top_k: [8, 16]", "candidate_top_k: {type: int, low: 16, high: 8}")
     )

@@ -134,3 +134,18 @@ def test_anchors_moved_to_a_device_carry_the_host_view_that_slices_the_tiles(alg
         with_view = draft.training_forward(moved_row, moved)
         without = draft.training_forward(row, anchors)
     assert torch.equal(with_view.loss, without.loss)
+
+
+def test_auto_precision_is_bf16_only_on_accelerators_and_cpus_with_native_bf16(tmp_path, monkeypatch):
+    from harness import devices
+
+    native, plain = tmp_path / "native", tmp_path / "plain"
+    native.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_tile\n")
+    plain.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n")
+    assert devices.cpu_has_native_bf16(str(native)) and not devices.cpu_has_native_bf16(str(plain))
+    assert not devices.cpu_has_native_bf16(str(tmp_path / "missing"))
+    for has_bf16 in (True, False):
+        monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda has=has_bf16: has)
+        assert devices.uses_bf16("cpu", "auto") is has_bf16
+        assert devices.uses_bf16("cuda", "auto") and devices.uses_bf16("cpu", "bf16")
+        assert not devices.uses_bf16("cuda", "fp32") and not devices.uses_bf16("cpu", "fp32")

@@ -588,3 +588,64 @@ def test_the_printed_link_opens_the_runs_table_in_a_browser(ui_server, tmp_path)
         timeout=120,
     ).stdout
     assert "study-tiny" in dom
+
+
+DESIGN = Path(__file__).parent / "data" / "tiny_design.yaml"
+
+
+def test_a_killed_design_with_two_workers_runs_every_point_once_and_reports_its_effects(
+    e2e_workspace, e2e_workdir, tmp_path
+):
+    """The 2x2 component design on two seeds and two workers, killed (launcher and worker) mid-trial and
+    relaunched: every point completes exactly once, every (point, seed) run exists once, and the report fits
+    the effects."""
+    env = {**os.environ, "DFLASH_LAB_HEARTBEAT_GRACE_S": "3"}
+    args = [*CLI, "study", "launch", str(DESIGN), "--workdir", str(e2e_workdir), "--n-jobs", "2"]
+    process = subprocess.Popen(
+        [*args, "--no-report"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # the launcher and its worker form one group, killed together
+    )
+    url, deadline, killed = storage_url(e2e_workdir, None), time.time() + 400, False
+    while time.time() < deadline and process.poll() is None:
+        time.sleep(0.5)
+        try:
+            study = optuna.load_study(study_name="tiny-design", storage=url)
+        except KeyError:
+            continue
+        done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        running = [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
+        if done and running and (e2e_workdir / "runs" / f"tiny-design-trial-{running[0].number}-seed0").exists():
+            os.killpg(process.pid, signal.SIGKILL)
+            killed = True
+            break
+    process.wait()
+    assert killed, "the design must be killed while a point is running"
+    time.sleep(4)  # past the heartbeat grace period
+    relaunched = _launch(DESIGN, e2e_workdir, "--n-jobs", "2", cwd=tmp_path, env=env)
+    assert relaunched.returncode == 0, relaunched.stderr[-3000:]
+    study = optuna.load_study(study_name="tiny-design", storage=url)
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    points = sorted(tuple(sorted(t.params.items())) for t in complete)
+    assert len(points) == 4 and len(set(points)) == 4, "each design point completes exactly once"
+    assert sorted(t.user_attrs["design_point"] for t in complete) == [0, 1, 2, 3]
+    client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
+    experiment = client.get_experiment_by_name("dflash-lab/tiny-design").experiment_id
+    runs = client.search_runs([experiment], "tags.`dflash_lab.role` = 'trial'")
+    names = [r.info.run_name for r in runs]
+    assert len(names) == len(set(names)) == 8, "one run per point and seed, none twice"
+    assert all(r.data.tags[tracking.TAG_STATUS] == "finished" for r in runs)
+    report = (tmp_path / "reports" / "tiny-design" / "README.md").read_text()
+    section = report.split("## Designed effects")[1].split("## Learning curves")[0]
+    assert "full 2^2 factorial: 4 points" in section and "8 runs" in section and "4 residual degrees" in section
+    for term in ("`conv`", "`selector`", "`conv×selector`"):
+        assert f"| {term} |" in section
+    # A relaunch of a finished design runs nothing and logs the parent's design metrics no second time.
+    again = _launch(DESIGN, e2e_workdir, cwd=tmp_path, env=env)
+    assert again.returncode == 0 and "[trial" not in again.stdout
+    parent = client.search_runs([experiment], "tags.`dflash_lab.role` = 'study'")[0].info.run_id
+    assert len(client.get_metric_history(parent, "design/runs")) == 1
+    assert len(optuna.load_study(study_name="tiny-design", storage=url).trials) == len(study.trials)

@@ -22,14 +22,14 @@ def _first_suggestion(definition, url):
 
 
 def test_a_relaunched_study_continues_the_search_instead_of_replaying_it(tmp_path):
-    definition = load_study(ROOT / "studies" / "default.yaml")
+    definition = load_study(ROOT / "studies" / "search.yaml")
     url = f"sqlite:///{tmp_path / 'optuna.db'}"
     suggestions = [_first_suggestion(definition, url) for _ in range(3)]
     assert len({tuple(sorted(s.items())) for s in suggestions}) == 3
 
 
 def test_a_changed_study_file_names_the_first_difference(tmp_path):
-    definition = load_study(ROOT / "studies" / "default.yaml")
+    definition = load_study(ROOT / "studies" / "search.yaml")
     url = f"sqlite:///{tmp_path / 'optuna.db'}"
     open_study(definition, url)
     definition.source_text = definition.source_text.replace("n_trials: 5", "n_trials: 6")
@@ -40,14 +40,18 @@ def test_a_changed_study_file_names_the_first_difference(tmp_path):
 def test_unknown_budget_keys_are_errors():
     import yaml
 
-    data = yaml.safe_load((ROOT / "studies" / "default.yaml").read_text())
+    data = yaml.safe_load((ROOT / "studies" / "search.yaml").read_text())
     data["budget"]["n_trails"] = 3
     with pytest.raises(StudyDefinitionError, match=r"invalid field budget.n_trails=3: allowed keys \['n_trials'"):
         parse_study(data)
 
 
 def test_component_baselines_pin_every_shared_knob_and_share_the_base_knobs():
-    definition = load_study(ROOT / "studies" / "components.yaml")
+    import yaml
+
+    data = yaml.safe_load((ROOT / "studies" / "search.yaml").read_text())
+    data["baselines"] = ["dflash", "dflash+conv", "dflash+selector", "dflash2"]
+    definition = parse_study(data)
     base = definition.base.algorithm
     configs = {name: baseline_config(definition, name, seed=1) for name in definition.baselines}
     assert set(configs) == {"dflash", "dflash+conv", "dflash+selector", "dflash2"}
@@ -61,7 +65,7 @@ def test_component_baselines_pin_every_shared_knob_and_share_the_base_knobs():
 
 
 def test_published_default_baselines_take_the_published_knobs():
-    definition = load_study(ROOT / "studies" / "default.yaml")
+    definition = load_study(ROOT / "studies" / "search.yaml")
     published = baseline_config(definition, "dflash2_defaults", seed=0).algorithm
     assert published.knobs.selector_rank == 256 and published.shared == definition.base.algorithm.shared
     trial = trial_config(definition, {"selector_rank": 32, "candidate_top_k": 8}).algorithm
@@ -72,7 +76,116 @@ def test_published_default_baselines_take_the_published_knobs():
 def test_unknown_sampler_and_pruner_keys_are_errors(section, key):
     import yaml
 
-    data = yaml.safe_load((ROOT / "studies" / "default.yaml").read_text())
+    data = yaml.safe_load((ROOT / "studies" / "search.yaml").read_text())
     data[section][key] = 1
     with pytest.raises(StudyDefinitionError, match=rf"invalid field {section}.{key}=1: allowed keys \['type'"):
         parse_study(data)
+
+
+def test_n_jobs_auto_picks_two_one_thread_workers_on_a_multicore_cpu():
+    from studies.cli import resolve_n_jobs
+
+    assert resolve_n_jobs("auto", "cpu", cores=2) == 2 and resolve_n_jobs("auto", "cpu", cores=16) == 2
+    assert resolve_n_jobs("auto", "cpu", cores=1) == 1 and resolve_n_jobs("auto", "cuda", cores=16) == 1
+    assert resolve_n_jobs("3", "cpu") == 3
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(SystemExit, match=rf"error: invalid --n-jobs={bad}: allowed an integer >= 1 or auto"):
+            resolve_n_jobs(bad, "cpu")
+
+
+def _design_data(**design):
+    import yaml
+
+    data = yaml.safe_load((ROOT / "studies" / "default.yaml").read_text())
+    data["design"].update(design)
+    return data
+
+
+def test_the_component_design_picks_each_variant_with_the_base_knobs():
+    definition = load_study(ROOT / "studies" / "components.yaml")
+    assert [p for p in definition.design.points] == [
+        {"conv": False, "selector": False},
+        {"conv": True, "selector": False},
+        {"conv": False, "selector": True},
+        {"conv": True, "selector": True},
+    ]
+    configs = [trial_config(definition, point).algorithm for point in definition.design.points]
+    assert [c.algorithm for c in configs] == ["dflash", "dflash+conv", "dflash+selector", "dflash2"]
+    base = definition.base.algorithm
+    assert all(c.shared == base.shared for c in configs) and configs[3] == base
+    assert configs[1].knobs.conv_kernel_size == base.knobs.conv_kernel_size
+    assert configs[2].knobs.selector_rank == base.knobs.selector_rank
+    assert definition.n_trials == 4 and definition.pruner == "none" and definition.seeds == [0, 1, 2]
+
+
+def test_the_main_job_design_is_a_resolution_five_half_fraction_with_dflash_as_reference():
+    definition = load_study(ROOT / "studies" / "default.yaml")
+    design = definition.design.design
+    assert design.resolution == 5 and len(design.points()) == 16 == definition.n_trials
+    assert definition.design.reference == "dflash" and definition.baselines == ["dflash"]
+    for point in design.points():
+        config = trial_config(definition, point).algorithm
+        assert config.knobs.conv_kernel_size == point["conv_kernel_size"]
+        assert config.shared.candidate_top_k == point["candidate_top_k"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"pruner": {"type": "median"}}, "invalid field pruner={'type': 'median'}: allowed no sampler and no pruner"),
+        ({"sampler": {"type": "tpe"}}, "invalid field sampler={'type': 'tpe'}: allowed no sampler and no pruner"),
+        ({"search_space": {"selector_rank": [8, 16]}}, "invalid field search_space="),
+        ({"seeds": [0, 0]}, "invalid field seeds=[0, 0]: allowed a non-empty list of distinct integers"),
+        ({"seeds": [True]}, "invalid field seeds=[True]: allowed"),
+        ({"seeds": [-1]}, "invalid field seeds=[-1]: allowed"),
+        ({"seeds": [10**20]}, "invalid field seeds=[100000000000000000000]: allowed"),
+    ],
+)
+def test_bad_design_files_get_one_line(change, message):
+    data = _design_data()
+    data.update(change)
+    with pytest.raises(StudyDefinitionError) as error:
+        parse_study(data, "default.yaml")
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("design", "message"),
+    [
+        ({"type": "latin"}, "invalid field design.type='latin': allowed one of ['factorial', 'one_at_a_time']"),
+        ({"fraction": 2}, "resolution 3 fraction (defining word I=candidate_top_k×conv_group_size×conv_kernel_size)"),
+        ({"fraction": 3}, "invalid fraction=3 for 5 factors: allowed 0 or one of [1, 2]"),
+        ({"factors": {"conv_kernel_size": [1, 2, 3]}}, "exactly two levels, low and high, in a factorial"),
+        ({"factors": {"block_size": [4, 8]}}, "invalid field design.factors='block_size': allowed factors from"),
+        ({"factors": {"conv": ["yes", "no"]}}, "allowed component levels [off, on]"),
+        ({"reference": "dflash2"}, "invalid field design.reference='dflash2': allowed one of the study's baselines"),
+        ({"margin": 0}, "invalid field design.margin=0: allowed a number > 0"),
+        ({"centre": {"conv_kernel_size": 2}}, "no centre in a factorial"),
+    ],
+)
+def test_bad_design_sections_name_the_field(design, message):
+    data = _design_data(**design)
+    with pytest.raises(StudyDefinitionError) as error:
+        parse_study(data, "default.yaml")
+    assert message in str(error.value), str(error.value)
+
+
+def test_a_one_at_a_time_design_centres_on_the_base_knobs():
+    data = _design_data(type="one_at_a_time", factors={"conv_kernel_size": [1, 2, 3], "selector_rank": [32, 64]})
+    del data["design"]["fraction"]
+    definition = parse_study(data)
+    points = definition.design.points
+    assert points[0] == {"conv_kernel_size": 2, "selector_rank": 64} and len(points) == 4
+
+
+def test_points_and_base_the_target_cannot_take_are_refused_at_launch(tmp_path):
+    from studies.runner import check_against_target
+
+    data = _design_data(factors={"conv_group_size": [16, 7]}, fraction=0)
+    with pytest.raises(StudyDefinitionError, match=r"design point \{'conv_group_size': 7\}: .*conv_group_size"):
+        check_against_target(parse_study(data), tmp_path)
+    data = _design_data()
+    data["base"]["shared"]["candidate_top_k"] = 10**6
+    with pytest.raises(StudyDefinitionError, match=r"study 'default': base: .*candidate_top_k"):
+        check_against_target(parse_study(data), tmp_path)
+    check_against_target(load_study(ROOT / "studies" / "default.yaml"), tmp_path)  # the shipped one passes
