@@ -302,7 +302,10 @@ class StudyRunner:
         per_seed = [[r.validation[o] for o in self.definition.objectives] for r in results]
         trial.set_user_attr(ATTR_SEED_VALUES, per_seed)
         values = [sum(column) / len(column) for column in zip(*per_seed, strict=True)]  # the mean over seeds
-        summary = _summary({k: sum(r.validation[k] for r in results) / len(results) for k in results[0].validation})
+        # A seed's run that had finished before an interruption comes back from its checkpoint's history, whose
+        # entries carry more keys than a fresh validation: average only what every seed reports.
+        shared = [k for k in ACCEPTED_LENGTHS if all(k in r.validation for r in results)]
+        summary = _summary({k: sum(r.validation[k] for r in results) / len(results) for k in shared})
         print(f"[trial {trial.number}] {summary} in {time.time() - started:.0f}s", flush=True)
         return values[0] if len(values) == 1 else values
 
