@@ -175,8 +175,11 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> int | None:
 def cmd_train(args: argparse.Namespace) -> int:
     from harness import tracking
     from harness.distributed import joined
+    from harness.run import check_run_name
     from harness.train import prepare_workspace, train
 
+    if args.run_name is not None:
+        check_run_name(args.run_name, "--run-name")
     config = resolve_run_config(args)
     if args.dry_run:
         print(json.dumps(dry_run(config, args.workdir), indent=2))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,6 +46,18 @@ def runs_root(workdir: Path) -> Path:
     return workdir / "runs"
 
 
+# A run's name is its directory under <workdir>/runs: one path segment, so nothing lands outside the workdir.
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
+RUN_NAME_RULE = "1-200 letters, digits, '.', '_', '+' or '-', starting with a letter or digit (no '/')"
+
+
+def check_run_name(name: str, what: str = "run name") -> str:
+    """`name` when it is one safe path segment; otherwise a one-line error naming `what`."""
+    if not RUN_NAME.fullmatch(name):
+        raise ValueError(f"invalid {what}={name[:80]!r}{'...' if len(name) > 80 else ''}: allowed {RUN_NAME_RULE}")
+    return name
+
+
 @dataclass
 class Run:
     """A named run in a work directory: `<workdir>/runs/<name>` plus one MLflow run."""
@@ -53,6 +67,9 @@ class Run:
     experiment: str = tracking.DEFAULT_EXPERIMENT
     run_id: str | None = None
     system_metrics: bool = False  # CPU/GPU/memory series under system/*: opt-in, they crowd the UI's charts
+
+    def __post_init__(self) -> None:
+        check_run_name(self.name)
 
     @classmethod
     def locate(cls, run: Path | str, workdir: Path) -> Run:
@@ -86,6 +103,13 @@ class Run:
         path = self.path(RUN_FILE)
         return json.loads(path.read_text())["run_id"] if path.exists() else None
 
+    def lost_checkpoint(self) -> bool:
+        """The run logged metrics (which reach MLflow only with a checkpoint) but its checkpoint is gone."""
+        run_id = self.recorded_run_id()
+        if self.has_checkpoint() or run_id is None:
+            return False
+        return bool(tracking.client(self.workdir).get_run(run_id).data.metrics)
+
     def save_checkpoint(self, state: dict) -> None:
         """Atomic: a kill mid-write leaves the previous checkpoint intact."""
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -97,7 +121,14 @@ class Run:
                 f"no checkpoint at {self.checkpoint_path}; pass a run directory or a run name under "
                 f"{runs_root(self.workdir)}"
             )
-        state = torch.load(self.checkpoint_path, weights_only=False)
+        try:
+            state = torch.load(self.checkpoint_path, weights_only=False)
+        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as error:
+            raise ValueError(
+                f"checkpoint {self.checkpoint_path} is unreadable ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else 'empty'}); restore it from the MLflow run's "
+                f"checkpoint artifact, or remove {self.directory} and train under a new --run-name"
+            ) from None
         self.run_id = self.run_id or state.get("run_id")
         return state
 

@@ -588,10 +588,16 @@ def train(
             "allowed conversations with assistant turns"
         )
     run = Run(workspace.workdir, run_name or default_run_name(config), experiment, system_metrics=system_metrics)
-    started = ranks.from_main((run.exists(), run.has_checkpoint()) if ranks.is_main else None)
+    found = (run.exists(), run.has_checkpoint(), resume and run.lost_checkpoint()) if ranks.is_main else None
+    started = ranks.from_main(found)
     if started[0] and not resume:
         raise FileExistsError(
             f"{run.directory} already holds a run; pass --resume to continue it or choose another --run-name"
+        )
+    if started[2]:  # restarting at step 0 would log a second history into the same MLflow run
+        raise FileNotFoundError(
+            f"{run.checkpoint_path} is missing but its MLflow run already holds metrics: --resume cannot continue "
+            "it without a second history; restore the checkpoint or train under a new --run-name"
         )
     recipe = TrainingRecipe(config, workspace, run, device, ranks)
     if started[1]:

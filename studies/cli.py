@@ -74,6 +74,13 @@ def parse_devices(text: str, n_jobs: int) -> list[str]:
     return devices
 
 
+def cmd_schema(args: argparse.Namespace) -> int:
+    from studies.schema import study_json_schema
+
+    print(json.dumps(study_json_schema(), indent=2))
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     import optuna
 
@@ -178,3 +185,11 @@ def add_study_command(commands, add_common) -> None:
     add_common(listing)
     listing.add_argument("--storage", help="Optuna storage URL (default: sqlite in the workdir)")
     listing.set_defaults(handler=cmd_list)
+
+    schema = sub.add_parser(
+        "schema",
+        help="print the study file's JSON Schema (for editors)",
+        description="Print the JSON Schema of a study file, for editors that validate and complete YAML.",
+    )
+    # touches no device and no store, as a dry run does
+    schema.set_defaults(handler=cmd_schema, verbose=False, dry_run=True)

@@ -5,31 +5,25 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from algorithms import ALGORITHMS, SharedKnobs, algorithm_entry
 from algorithms.metrics import DRAFT_STEP_MS, REALIZED_ACCEPTED_LENGTH
 from algorithms.registry import COMPONENT_FACTORS, with_design_point
 from harness.config import RunConfig
-from harness.design import DESIGN_TYPES, FACTORIAL, ONE_AT_A_TIME, Design, DesignError, design_from_spec
+from harness.design import FACTORIAL, ONE_AT_A_TIME, Design, DesignError, design_from_spec
 from harness.evaluate import EvalConfig
 
 OBJECTIVES = {REALIZED_ACCEPTED_LENGTH: "maximize", DRAFT_STEP_MS: "minimize"}
-SAMPLERS = ("tpe", "grid", "random")
 DESIGN_SAMPLER = "design"  # a designed study's trials are its enqueued points, never sampled
-PRUNERS = ("median", "hyperband", "none")
 # A baseline runs a registered algorithm with the study's pinned shared knobs. `NAME` takes the base's
 # algorithm knobs where NAME has them (a component ablation); `NAME_defaults` takes NAME's published ones.
 PUBLISHED_SUFFIX = "_defaults"
 BASELINES = (*ALGORITHMS, *(f"{name}{PUBLISHED_SUFFIX}" for name in ALGORITHMS))
 DEFAULT_BASELINES = ("dflash", f"dflash2{PUBLISHED_SUFFIX}")
-BUDGET_KEYS = ("n_trials", "timeout_s", "steps_per_trial")
-SAMPLER_KEYS, PRUNER_KEYS = ("type", "seed"), ("type", "warmup_steps")
-EVALUATE_KEYS = ("best_trials", "num_prompts", "max_new_tokens", "temperatures")
-DESIGN_KEYS = ("type", "factors", "fraction", "generators", "centre", "interactions", "margin", "reference")
-INTERACTIONS = ("auto", True, False)
 # The equivalence margin of a `bounded` verdict, in accepted tokens per cycle: about 3% of the accepted
 # lengths these drafts reach (1.1-1.5), below what a decoding benchmark's wall time resolves (README).
 DEFAULT_MARGIN = 0.05
@@ -109,6 +103,107 @@ class StudyDesign:
         return self.design.points()
 
 
+class Section(BaseModel):
+    """A study-file mapping: unknown keys and values of the wrong type (a bool for an int) are errors."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class BaseSection(Section):
+    algorithm: str = Field(description=f"the base algorithm, one of {list(ALGORITHMS)}")
+    shared: dict[str, Any] = Field(description="every shared knob, pinned explicitly")
+    knobs: dict[str, Any] = Field(default_factory=dict, description="the base algorithm's own knobs")
+    train: dict[str, Any] = Field(default_factory=dict, description="training knobs (and nproc_per_node)")
+    data: dict[str, Any] = Field(default_factory=dict, description="data knobs")
+
+
+class SamplerSection(Section):
+    type: Literal["tpe", "grid", "random"] = "tpe"
+    seed: int = 0
+
+
+class PrunerSection(Section):
+    type: Literal["median", "hyperband", "none"] = "median"
+    warmup_steps: int = Field(0, ge=0)
+
+
+class BudgetSection(Section):
+    n_trials: int = Field(8, ge=0)
+    timeout_s: float | None = Field(None, gt=0)
+    steps_per_trial: int | None = Field(None, ge=1, description="default: base.train.max_steps")
+
+
+class EvaluateSection(Section):
+    best_trials: int = Field(0, ge=0, description="speculative decoding for the N best trials (0: off)")
+    num_prompts: int = Field(EvalConfig().num_prompts, ge=1)
+    max_new_tokens: int = Field(EvalConfig().max_new_tokens, ge=1)
+    temperatures: list[Annotated[float, Field(ge=0)]] = Field(
+        default_factory=lambda: list(EvalConfig().temperatures), min_length=1
+    )
+
+
+class DesignSection(Section):
+    type: Literal["factorial", "one_at_a_time"]
+    factors: dict[str, list[Any]] = Field(min_length=1, description="factor -> its levels (two in a factorial)")
+    fraction: int = Field(0, ge=0, description="p of a 2^(k-p) fraction with the standard generators")
+    generators: dict[str, list[str]] | None = Field(None, description="generated factor -> base factors")
+    centre: dict[str, Any] | None = Field(None, description="one_at_a_time: the centre (default: the base)")
+    interactions: Literal["auto"] | bool = "auto"
+    margin: float = Field(DEFAULT_MARGIN, gt=0, description="the bounded label's margin, accepted tokens")
+    reference: str | None = Field(None, description="a baseline whose runs join the fit as the reference arm")
+
+
+class StudyFile(Section):
+    """A study file (studies/*.yaml); `dflash-lab study schema` prints this as JSON Schema."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,100}$", description="letters, digits, '-' and '_'")
+    description: str = ""
+    target: str = "smollm2-135m"
+    base: BaseSection
+    search_space: dict[str, Any] = Field(
+        default_factory=dict, description="knob -> a list of choices, or {type: int|float, low, high, log, step}"
+    )
+    sampler: SamplerSection | None = None
+    pruner: PrunerSection | None = None
+    objective: str | list[str] = REALIZED_ACCEPTED_LENGTH
+    budget: BudgetSection = Field(default_factory=BudgetSection)
+    baselines: list[str] = Field(default_factory=lambda: list(DEFAULT_BASELINES))
+    seeds: list[Annotated[int, Field(ge=0, lt=2**32)]] | None = Field(None, min_length=1)
+    evaluate: EvaluateSection = Field(default_factory=EvaluateSection)
+    design: DesignSection | None = None
+
+
+SECTIONS: dict[tuple, type[Section]] = {
+    (): StudyFile,
+    ("base",): BaseSection,
+    ("sampler",): SamplerSection,
+    ("pruner",): PrunerSection,
+    ("budget",): BudgetSection,
+    ("evaluate",): EvaluateSection,
+    ("design",): DesignSection,
+}
+
+
+def study_json_schema() -> dict[str, Any]:
+    return StudyFile.model_json_schema()
+
+
+def _one_line(path: str, error: ValidationError) -> StudyDefinitionError:
+    """The first validation error as `file: invalid field a.b=value: allowed ...`."""
+    first = error.errors(include_url=False)[0]
+    loc = tuple(part for part in first["loc"] if not (isinstance(part, str) and "[" in part))  # union tags
+    where = ".".join(map(str, loc)) or "<top level>"
+    if first["type"] == "extra_forbidden":
+        section = SECTIONS.get(loc[:-1])
+        allowed = f"keys {list(section.model_fields)}" if section else "no other keys"
+        return _fail(path, where, first["input"], allowed)
+    if first["type"] == "missing":
+        return _fail(path, where, None, "a value (this field is required)")
+    message = first["msg"].removeprefix("Input should be ").removeprefix("Value error, ")
+    value = first.get("input")
+    return _fail(path, where, value, message[0].lower() + message[1:] if message else first["type"])
+
+
 def _require_mapping(path: str, name: str, value: Any) -> dict:
     if not isinstance(value, dict):
         raise _fail(path, name, value, "a mapping")
@@ -139,48 +234,31 @@ def _dimension(path: str, knob: str, spec: Any, tuned: tuple[str, ...]) -> Dimen
     raise _fail(path, f"{where}.type", kind, "categorical, int or float")
 
 
-def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
-    data = _require_mapping(path, "<top level>", data)
-    known = {
-        "name",
-        "description",
-        "target",
-        "base",
-        "search_space",
-        "sampler",
-        "pruner",
-        "objective",
-        "budget",
-        "baselines",
-        "seeds",
-        "evaluate",
-        "design",
-    }
-    for key in data:
-        if key not in known:
-            raise _fail(path, key, data[key], f"fields {sorted(known)}")
-    name = data.get("name")
-    if not isinstance(name, str) or not name.replace("-", "").replace("_", "").isalnum():
-        raise _fail(path, "name", name, "a name of letters, digits, '-' and '_'")
-
-    base = _require_mapping(path, "base", data.get("base"))
-    algorithm = base.get("algorithm")
-    if algorithm not in ALGORITHMS:
-        raise _fail(path, "base.algorithm", algorithm, f"one of {list(ALGORITHMS)}")
-    shared = _require_mapping(path, "base.shared", base.get("shared"))
-    missing = [f.name for f in dataclasses.fields(SharedKnobs) if f.name not in shared]
+def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
+    if not isinstance(data, dict):
+        raise _fail(path, "<top level>", data, "a mapping of study fields")
+    try:
+        file = StudyFile.model_validate(data)
+    except ValidationError as error:
+        raise _one_line(path, error) from None
+    base = file.base
+    if base.algorithm not in ALGORITHMS:
+        raise _fail(path, "base.algorithm", base.algorithm, f"one of {list(ALGORITHMS)}")
+    missing = [f.name for f in dataclasses.fields(SharedKnobs) if f.name not in base.shared]
     if missing:
-        raise _fail(path, "base.shared", sorted(shared), f"every shared knob pinned explicitly; missing {missing}")
-    train = dict(_require_mapping(path, "base.train", base.get("train", {})))
+        raise _fail(path, "base.shared", sorted(base.shared), f"every shared knob pinned explicitly; missing {missing}")
+    train = dict(base.train)
     nproc_per_node = train.pop("nproc_per_node", 1)
-    if not isinstance(nproc_per_node, int) or nproc_per_node < 1:
+    if not isinstance(nproc_per_node, int) or isinstance(nproc_per_node, bool) or nproc_per_node < 1:
         raise _fail(path, "base.train.nproc_per_node", nproc_per_node, "an integer >= 1 (ranks per run)")
     try:
         run = RunConfig.from_dict(
             {
-                "target": data.get("target", "smollm2-135m"),
-                "algorithm": algorithm,
-                **{k: base.get(k, {}) for k in ("shared", "knobs", "data")},
+                "target": file.target,
+                "algorithm": base.algorithm,
+                "shared": base.shared,
+                "knobs": base.knobs,
+                "data": base.data,
                 "train": train,
             }
         )
@@ -188,161 +266,87 @@ def parse_study(data: dict, path: str = "<study>") -> StudyDefinition:
     except (TypeError, ValueError) as error:
         raise StudyDefinitionError(f"{path}: base: {error}") from None
 
-    space = _require_mapping(path, "search_space", data.get("search_space", {}))
-    tuned = algorithm_entry(algorithm).tuned_knobs
-    dimensions = [_dimension(path, knob, spec, tuned) for knob, spec in space.items()]
-
-    sampler = _require_mapping(path, "sampler", data.get("sampler", {"type": "tpe"}))
-    if sampler.get("type") not in SAMPLERS:
-        raise _fail(path, "sampler.type", sampler.get("type"), f"one of {list(SAMPLERS)}")
-    pruner = _require_mapping(path, "pruner", data.get("pruner", {"type": "median"}))
-    if pruner.get("type") not in PRUNERS:
-        raise _fail(path, "pruner.type", pruner.get("type"), f"one of {list(PRUNERS)}")
-
+    tuned = algorithm_entry(base.algorithm).tuned_knobs
+    dimensions = [_dimension(path, knob, spec, tuned) for knob, spec in file.search_space.items()]
     design = None
-    if "design" in data:
+    if file.design is not None:
         for key in ("sampler", "pruner"):
-            if key in data and not (key == "pruner" and data[key] == {"type": "none"}):
+            value = getattr(file, key)
+            if value is not None and not (key == "pruner" and value.type == "none"):
                 raise _fail(
                     path,
                     key,
-                    data[key],
+                    value.model_dump(exclude_unset=True),
                     "no sampler and no pruner in a design file (its points are fixed, and a pruned point would "
                     "bias its effect)",
                 )
-        if space:
-            raise _fail(path, "search_space", space, "{} in a design file (the design lists its factors)")
-        design = _design(path, data["design"], run, tuned)
+        if file.search_space:
+            raise _fail(path, "search_space", file.search_space, "{} in a design file (the design lists its factors)")
+        design = _design(path, file.design, run, tuned)
+    sampler, pruner = file.sampler or SamplerSection(), file.pruner or PrunerSection()
 
-    objective = data.get("objective", REALIZED_ACCEPTED_LENGTH)
-    objectives = objective if isinstance(objective, list) else [objective]
+    objectives = file.objective if isinstance(file.objective, list) else [file.objective]
     if not objectives or any(o not in OBJECTIVES for o in objectives) or len(set(objectives)) != len(objectives):
-        raise _fail(path, "objective", objective, f"one or a list of distinct {sorted(OBJECTIVES)}")
-
-    budget = _require_mapping(path, "budget", data.get("budget", {}))
-    for section, mapping, allowed in (
-        ("budget", budget, BUDGET_KEYS),
-        ("sampler", sampler, SAMPLER_KEYS),
-        ("pruner", pruner, PRUNER_KEYS),
-    ):
-        for key in mapping:
-            if key not in allowed:
-                raise _fail(path, f"{section}.{key}", mapping[key], f"keys {list(allowed)}")
-    n_trials, timeout, steps = (
-        budget.get("n_trials", 8),
-        budget.get("timeout_s"),
-        budget.get("steps_per_trial", run.train.max_steps),
-    )
-    if not isinstance(n_trials, int) or n_trials < 0:
-        raise _fail(path, "budget.n_trials", n_trials, "an integer >= 0")
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise _fail(path, "budget.timeout_s", timeout, "null or a number of seconds > 0")
-    if not isinstance(steps, int) or steps < 1:
-        raise _fail(path, "budget.steps_per_trial", steps, "an integer >= 1")
-
-    baselines = data.get("baselines", list(DEFAULT_BASELINES))
-    if not isinstance(baselines, list) or any(b not in BASELINES for b in baselines):
-        raise _fail(path, "baselines", baselines, f"a list from {list(BASELINES)}")
-    if design is not None and design.reference is not None and design.reference not in baselines:
-        raise _fail(path, "design.reference", design.reference, f"one of the study's baselines {baselines}")
-    if design is not None:
-        n_trials = len(design.points)
-    seeds = data.get("seeds", [run.train.seed])
-    if (
-        not isinstance(seeds, list)
-        or not seeds
-        or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**32 for s in seeds)
-        or len(set(seeds)) != len(seeds)
-    ):
+        raise _fail(path, "objective", file.objective, f"one or a list of distinct {sorted(OBJECTIVES)}")
+    budget = file.budget
+    steps = budget.steps_per_trial if budget.steps_per_trial is not None else run.train.max_steps
+    if any(b not in BASELINES for b in file.baselines):
+        raise _fail(path, "baselines", file.baselines, f"a list from {list(BASELINES)}")
+    if design is not None and design.reference is not None and design.reference not in file.baselines:
+        raise _fail(path, "design.reference", design.reference, f"one of the study's baselines {file.baselines}")
+    seeds = file.seeds if file.seeds is not None else [run.train.seed]
+    if len(set(seeds)) != len(seeds):
         raise _fail(path, "seeds", seeds, "a non-empty list of distinct integers in [0, 2**32)")
-
-    if sampler["type"] == "grid":
+    if sampler.type == "grid":
         for dimension in dimensions:
             dimension.grid_values()
-
-    evaluate = _require_mapping(path, "evaluate", data.get("evaluate", {"best_trials": 0}))
-    unknown = set(evaluate) - set(EVALUATE_KEYS)
-    if unknown:
-        raise _fail(path, "evaluate", sorted(unknown), f"keys {list(EVALUATE_KEYS)}")
-    defaults = EvalConfig()
-    for key in ("best_trials", "num_prompts", "max_new_tokens"):
-        value = evaluate.get(key, 0 if key == "best_trials" else 1)
-        if not isinstance(value, int) or value < (0 if key == "best_trials" else 1):
-            raise _fail(
-                path, f"evaluate.{key}", value, "a non-negative integer" if key == "best_trials" else "an integer >= 1"
-            )
-    temperatures = evaluate.get("temperatures", list(defaults.temperatures))
-    if (
-        not isinstance(temperatures, list)
-        or not temperatures
-        or any(not isinstance(t, (int, float)) or t < 0 for t in temperatures)
-    ):
-        raise _fail(path, "evaluate.temperatures", temperatures, "a non-empty list of numbers >= 0")
-
+    evaluate = file.evaluate
     return StudyDefinition(
-        name=name,
+        name=file.name,
         base=run,
         search_space=dimensions,
-        sampler=sampler["type"] if design is None else DESIGN_SAMPLER,
-        sampler_seed=int(sampler.get("seed", 0)),
-        pruner=pruner["type"] if design is None else "none",
-        pruner_warmup_steps=int(pruner.get("warmup_steps", 0)),
+        sampler=sampler.type if design is None else DESIGN_SAMPLER,
+        sampler_seed=sampler.seed,
+        pruner=pruner.type if design is None else "none",
+        pruner_warmup_steps=pruner.warmup_steps,
         objectives=objectives,
-        n_trials=n_trials,
-        timeout_s=timeout,
+        n_trials=budget.n_trials if design is None else len(design.points),
+        timeout_s=budget.timeout_s,
         steps_per_trial=steps,
-        baselines=baselines,
+        baselines=file.baselines,
         seeds=seeds,
-        description=str(data.get("description", "")),
-        evaluate_best=evaluate.get("best_trials", 0),
+        description=file.description,
+        evaluate_best=evaluate.best_trials,
         evaluation=EvalConfig(
-            num_prompts=evaluate.get("num_prompts", defaults.num_prompts),
-            max_new_tokens=evaluate.get("max_new_tokens", defaults.max_new_tokens),
-            temperatures=tuple(float(t) for t in temperatures),
+            num_prompts=evaluate.num_prompts,
+            max_new_tokens=evaluate.max_new_tokens,
+            temperatures=tuple(float(t) for t in evaluate.temperatures),
         ),
         nproc_per_node=nproc_per_node,
         design=design,
     )
 
 
-def _design(path: str, value: Any, run: RunConfig, tuned: tuple[str, ...]) -> StudyDesign:
+def _design(path: str, section: DesignSection, run: RunConfig, tuned: tuple[str, ...]) -> StudyDesign:
     """`design:`: a factorial (two levels per factor, full or fractional) or a one-at-a-time design."""
-    spec = dict(_require_mapping(path, "design", value))
-    for key in spec:
-        if key not in DESIGN_KEYS:
-            raise _fail(path, f"design.{key}", spec[key], f"keys {list(DESIGN_KEYS)}")
-    kind = spec.get("type")
-    if kind not in DESIGN_TYPES:
-        raise _fail(path, "design.type", kind, f"one of {list(DESIGN_TYPES)}")
-    factors = _require_mapping(path, "design.factors", spec.get("factors"))
     allowed = [*tuned, *COMPONENT_FACTORS]
-    if not factors:
-        raise _fail(path, "design.factors", factors, f"a mapping of factors from {allowed} to their levels")
-    for factor, levels in factors.items():
+    for factor, levels in section.factors.items():
         where = f"design.factors.{factor}"
         if factor not in allowed:
             raise _fail(path, "design.factors", factor, f"factors from {allowed}")
-        if not isinstance(levels, list) or len(set(map(str, levels))) != len(levels):
+        if len(set(map(str, levels))) != len(levels) or not levels:
             raise _fail(path, where, levels, "a list of distinct levels")
-        if kind == FACTORIAL and len(levels) != 2:
+        if section.type == FACTORIAL and len(levels) != 2:
             raise _fail(path, where, levels, "exactly two levels, low and high, in a factorial")
         if factor in COMPONENT_FACTORS and any(not isinstance(level, bool) for level in levels):
             raise _fail(path, where, levels, "component levels [off, on]")
-    for key, check, allowed_text in (
-        ("fraction", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer p >= 0"),
-        ("margin", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "a number > 0"),
-        ("interactions", lambda v: v in INTERACTIONS, f"one of {list(INTERACTIONS)}"),
-        ("generators", lambda v: isinstance(v, dict), "a mapping of generated factor to a list of base factors"),
-        ("centre", lambda v: isinstance(v, dict), "a mapping of factor to its centre level"),
-    ):
-        if key in spec and not check(spec[key]):
-            raise _fail(path, f"design.{key}", spec[key], allowed_text)
-    if kind == FACTORIAL and "centre" in spec:
-        raise _fail(path, "design.centre", spec["centre"], "no centre in a factorial (one_at_a_time only)")
-    if kind == ONE_AT_A_TIME:
+    spec = section.model_dump(exclude_none=True)
+    if section.type == FACTORIAL and section.centre is not None:
+        raise _fail(path, "design.centre", section.centre, "no centre in a factorial (one_at_a_time only)")
+    if section.type == ONE_AT_A_TIME:
         base = {**dataclasses.asdict(run.algorithm.shared), **dataclasses.asdict(run.algorithm.knobs)}
         base |= {"conv": run.algorithm.entry.has_conv, "selector": run.algorithm.entry.has_selector}
-        spec["centre"] = {f: spec.get("centre", {}).get(f, base.get(f)) for f in factors}
+        spec["centre"] = {f: (section.centre or {}).get(f, base.get(f)) for f in section.factors}
     try:
         design = design_from_spec(spec)
     except DesignError as error:
@@ -352,12 +356,7 @@ def _design(path: str, value: Any, run: RunConfig, tuned: tuple[str, ...]) -> St
             with_design_point(run.algorithm, point).validate()
         except (TypeError, ValueError) as error:
             raise StudyDefinitionError(f"{path}: design point {point}: {error}") from None
-    reference = spec.get("reference")
-    if reference is not None and not isinstance(reference, str):
-        raise _fail(path, "design.reference", reference, "a baseline name")
-    return StudyDesign(
-        spec, design, spec.get("interactions", "auto"), float(spec.get("margin", DEFAULT_MARGIN)), reference
-    )
+    return StudyDesign(spec, design, section.interactions, section.margin, section.reference)
 
 
 def load_study(path: Path) -> StudyDefinition:

@@ -292,6 +292,14 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_in_the_same_mlflow_run
         assert len(steps) == len(set(steps)), f"{key} logged a step twice: {steps}"
     assert run.data.tags[tracking.TAG_STATUS] == "finished"
 
+    # Its checkpoint deleted, run.json kept: a resume would restart at step 0 into the same MLflow run.
+    (e2e_workdir / "runs" / "early-kill" / "checkpoint.pt").unlink()
+    rows = len(client.get_metric_history(run.info.run_id, "train/loss"))
+    refused = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "checkpoint.pt is missing but its MLflow run already holds metrics" in refused.stderr.splitlines()[-1]
+    assert len(client.get_metric_history(run.info.run_id, "train/loss")) == rows
+
 
 def test_online_features_equal_the_cache(e2e_workspace, e2e_workdir):
     """`--features online`: the target computes the features inside the step; same loss, nothing on disk."""

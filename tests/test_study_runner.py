@@ -136,9 +136,10 @@ def test_the_main_job_design_is_a_resolution_five_half_fraction_with_dflash_as_r
         ({"sampler": {"type": "tpe"}}, "invalid field sampler={'type': 'tpe'}: allowed no sampler and no pruner"),
         ({"search_space": {"selector_rank": [8, 16]}}, "invalid field search_space="),
         ({"seeds": [0, 0]}, "invalid field seeds=[0, 0]: allowed a non-empty list of distinct integers"),
-        ({"seeds": [True]}, "invalid field seeds=[True]: allowed"),
-        ({"seeds": [-1]}, "invalid field seeds=[-1]: allowed"),
-        ({"seeds": [10**20]}, "invalid field seeds=[100000000000000000000]: allowed"),
+        ({"seeds": [True]}, "invalid field seeds.0=True: allowed a valid integer"),
+        ({"seeds": [-1]}, "invalid field seeds.0=-1: allowed greater than or equal to 0"),
+        ({"seeds": [10**20]}, "invalid field seeds.0=100000000000000000000: allowed less than 4294967296"),
+        ({"seeds": []}, "invalid field seeds=[]: allowed"),
     ],
 )
 def test_bad_design_files_get_one_line(change, message):
@@ -152,14 +153,14 @@ def test_bad_design_files_get_one_line(change, message):
 @pytest.mark.parametrize(
     ("design", "message"),
     [
-        ({"type": "latin"}, "invalid field design.type='latin': allowed one of ['factorial', 'one_at_a_time']"),
+        ({"type": "latin"}, "invalid field design.type='latin': allowed 'factorial' or 'one_at_a_time'"),
         ({"fraction": 2}, "resolution 3 fraction (defining word I=candidate_top_k×conv_group_size×conv_kernel_size)"),
         ({"fraction": 3}, "invalid fraction=3 for 5 factors: allowed 0 or one of [1, 2]"),
         ({"factors": {"conv_kernel_size": [1, 2, 3]}}, "exactly two levels, low and high, in a factorial"),
         ({"factors": {"block_size": [4, 8]}}, "invalid field design.factors='block_size': allowed factors from"),
         ({"factors": {"conv": ["yes", "no"]}}, "allowed component levels [off, on]"),
         ({"reference": "dflash2"}, "invalid field design.reference='dflash2': allowed one of the study's baselines"),
-        ({"margin": 0}, "invalid field design.margin=0: allowed a number > 0"),
+        ({"margin": 0}, "invalid field design.margin=0: allowed greater than 0"),
         ({"centre": {"conv_kernel_size": 2}}, "no centre in a factorial"),
     ],
 )

@@ -1,0 +1,137 @@
+"""Time to a verdict: how long the component design (conv x selector, across seeds) takes until its conv effect
+and its selector effect each have a 95% interval that includes training noise and excludes 0.
+
+Each layout (precision x worker processes) launches the 2x2 component design through `dflash-lab study launch`
+on the embedded target, with the main job's data (its feature cache warm in --workdir). Afterwards the runs are
+replayed in the order they finished: after each one the design is fitted on the runs finished so far (as the
+report fits them), and the verdict time is the first moment, counted from the launch, at which both effects
+are resolved. A layout that never resolves both says so, with the intervals it ended on.
+
+    python -m benchmarks.time_to_verdict [--workdir work] [--steps 60] [--seeds 0,1,2] [--layouts fp32:1,fp32:2]
+
+A layout is PRECISION:JOBS with PRECISION fp32, auto or bf16 and JOBS the `--n-jobs` value. Prints one JSON line
+and writes benchmarks/TIME_TO_VERDICT.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import yaml
+
+from harness.devices import uses_bf16
+from reports.collect import collect
+from reports.designed import RecordedDesign, design_units, fit_recorded, recorded_design
+from reports.effects import RESOLVED
+
+ROOT = Path(__file__).resolve().parent.parent
+EFFECTS = ("conv", "selector")
+
+
+def study_file(out: Path, name: str, steps: int, seeds: list[int], precision: str) -> Path:
+    """The shipped component design at this budget, on the main job's data, at `precision`."""
+    components = yaml.safe_load((ROOT / "studies" / "components.yaml").read_text())
+    main_job = yaml.safe_load((ROOT / "studies" / "default.yaml").read_text())
+    components["name"] = name
+    components["base"]["data"] = main_job["base"]["data"]  # the warm feature cache
+    components["base"]["train"] = {**main_job["base"]["train"], "precision": precision}
+    components["budget"] = {"steps_per_trial": steps}
+    components["seeds"] = seeds
+    path = out / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(components, sort_keys=False))
+    return path
+
+
+def replay(recorded: RecordedDesign, record, launched: float) -> dict:
+    """Fit the design after each finished run, in finishing order; the first time both effects resolve."""
+    ends = {row["run_name"]: row["end_s"] - launched for _, row in record.runs.iterrows()}
+    units = sorted(design_units(record, recorded), key=lambda u: ends[u.name])
+    last = None
+    for count in range(1, len(units) + 1):
+        fit, _ = fit_recorded(recorded, units[:count])
+        effects = {e.term: e for e in fit.effects}
+        last = {term: effects[term].estimate.text(signed=True) for term in EFFECTS if term in effects}
+        if all(term in effects and effects[term].label == RESOLVED for term in EFFECTS):
+            return {"verdict_s": ends[units[count - 1].name], "runs": count, "dof": fit.residual_dof, "effects": last}
+    return {"verdict_s": None, "runs": len(units), "effects": last}
+
+
+def measure(layout: str, args: argparse.Namespace, out: Path) -> dict:
+    precision, jobs = layout.split(":")
+    name = f"ttv-{precision}-{jobs}job-{args.steps}steps"
+    path = study_file(out, name, args.steps, args.seeds, precision)
+    launched = time.time()
+    command = [sys.executable, "-m", "harness.cli", "study", "launch", str(path), "--workdir", str(args.workdir)]
+    done = subprocess.run([*command, "--n-jobs", jobs, "--no-report"], capture_output=True, text=True)
+    total = time.time() - launched
+    if done.returncode != 0:
+        raise SystemExit(f"error: layout {layout} failed: {done.stderr.strip().splitlines()[-1]}")
+    record = collect(name, args.workdir)
+    record.runs["end_s"] = end_times(record, args.workdir)
+    result = replay(recorded_design(record), record, launched)
+    return {"layout": layout, "bf16": uses_bf16("cpu", precision), "study_s": total, **result}
+
+
+def end_times(record, workdir: Path) -> list[float]:
+    """Each run's end, in seconds since the epoch, from MLflow."""
+    from harness import tracking
+
+    client = tracking.client(workdir)
+    return [client.get_run(run_id).info.end_time / 1000 for run_id in record.runs["run_id"]]
+
+
+def markdown(results: list[dict], args: argparse.Namespace) -> str:
+    rows = []
+    for r in results:
+        verdict = f"{r['verdict_s'] / 60:.1f} min ({r['runs']} runs, {r['dof']} df)" if r["verdict_s"] else "never"
+        effects = ", ".join(f"{k} {v}" for k, v in (r["effects"] or {}).items())
+        computes = "bf16" if r["bf16"] else "fp32"
+        rows.append(f"| {r['layout']} | {computes} | {verdict} | {r['study_s'] / 60:.1f} min | {effects} |")
+    return "\n".join(
+        [
+            "# Time to a verdict",
+            "",
+            f"Measured {datetime.now(UTC).strftime('%Y-%m-%d')} on this machine ({os.cpu_count()} CPUs) with "
+            f"`python -m benchmarks.time_to_verdict --steps {args.steps} --seeds {','.join(map(str, args.seeds))}`: "
+            f"the 2x2 component design at {args.steps} steps per run on the main job's data, feature cache warm. "
+            "*Verdict* is the wall time from the launch until the conv and the selector effect are both resolved "
+            "(95% intervals on the residual df, training noise included); *study* the whole launch.",
+            "",
+            "| layout (precision:jobs) | computes in | verdict | study | effects at the verdict (or the end) |",
+            "|---|---|---|---|---|",
+            *rows,
+            "",
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path("work"), help="with the main job's feature cache")
+    parser.add_argument("--steps", type=int, default=60, help="steps per run (default: the main job's 60)")
+    parser.add_argument("--seeds", default="0,1,2", help="seeds of the design (default: 0,1,2)")
+    parser.add_argument("--layouts", default="fp32:1,fp32:2", help="PRECISION:JOBS,... (default: fp32:1,fp32:2)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "TIME_TO_VERDICT.md")
+    args = parser.parse_args()
+    args.seeds = [int(s) for s in args.seeds.split(",")]
+    layouts = args.layouts.split(",")
+    for layout in layouts:
+        if not re.fullmatch(r"(fp32|auto|bf16):[1-9][0-9]*", layout):
+            raise SystemExit(f"error: invalid --layouts entry {layout!r}: allowed PRECISION:JOBS, e.g. fp32:2")
+    scratch = args.workdir / "time-to-verdict"
+    scratch.mkdir(parents=True, exist_ok=True)
+    results = [measure(layout, args, scratch) for layout in layouts]
+    args.out.write_text(markdown(results, args))
+    print(json.dumps(results, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The study schema (pydantic): every error is one line naming the file, the field, its value and what is
+allowed, as the hand-written parser's were; its JSON Schema validates every shipped study file."""
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from studies.schema import StudyDefinitionError, load_study, parse_study, study_json_schema
+
+ROOT = Path(__file__).parent.parent
+SEARCH = yaml.safe_load((ROOT / "studies" / "search.yaml").read_text())
+
+
+def _set(data: dict, dotted: str, value) -> dict:
+    data = copy.deepcopy(data)
+    *parents, last = dotted.split(".")
+    node = data
+    for key in parents:
+        node = node[key]
+    if value is DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    return data
+
+
+DELETE = object()
+
+
+# Each error the hand-written parser gave (issue 21), by the field it names.
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("sampel", {"type": "tpe"}, "invalid field sampel={'type': 'tpe'}: allowed keys ['name', 'description'"),
+        ("name", "bad name!", "invalid field name='bad name!': allowed string should match pattern"),
+        ("name", 7, "invalid field name=7: allowed a valid string"),
+        ("base.algorithm", "dflash3", "invalid field base.algorithm='dflash3': allowed one of ['dflash'"),
+        ("base.shared.block_size", DELETE, "invalid field base.shared=["),
+        ("base.train", {"nproc_per_node": 0}, "invalid field base.train.nproc_per_node=0: allowed an integer >= 1"),
+        ("base.train", {"max_steps": "ten"}, "base: "),
+        ("base", "dflash2", "invalid field base='dflash2': allowed a valid dictionary"),
+        ("search_space", {"block_size": [4, 8]}, "invalid field search_space='block_size': allowed knobs from"),
+        ("search_space", {"selector_rank": []}, "invalid field search_space.selector_rank.choices=[]: allowed a non"),
+        ("search_space", {"selector_rank": {"type": "int", "low": 9, "high": 2}}, "low/high=(9, 2): allowed numbers"),
+        ("search_space", {"selector_loss_alpha": {"type": "float", "low": 0, "high": 1, "log": True}}, "> 0 on a log"),
+        ("search_space", {"selector_rank": {"type": "normal"}}, "type='normal': allowed categorical, int or float"),
+        ("sampler.type", "cmaes", "invalid field sampler.type='cmaes': allowed 'tpe', 'grid' or 'random'"),
+        ("pruner.type", "sha", "invalid field pruner.type='sha': allowed 'median', 'hyperband' or 'none'"),
+        ("sampler.sede", 1, "invalid field sampler.sede=1: allowed keys ['type', 'seed']"),
+        ("pruner.warmup", 1, "invalid field pruner.warmup=1: allowed keys ['type', 'warmup_steps']"),
+        ("objective", "speed", "invalid field objective='speed': allowed one or a list of distinct"),
+        ("budget.n_trails", 3, "invalid field budget.n_trails=3: allowed keys ['n_trials', 'timeout_s'"),
+        ("budget.n_trials", -1, "invalid field budget.n_trials=-1: allowed greater than or equal to 0"),
+        ("budget.n_trials", True, "invalid field budget.n_trials=True: allowed a valid integer"),
+        ("budget.timeout_s", 0, "invalid field budget.timeout_s=0: allowed greater than 0"),
+        ("budget.steps_per_trial", 0, "invalid field budget.steps_per_trial=0: allowed greater than or equal to 1"),
+        ("baselines", ["dflash9"], "invalid field baselines=['dflash9']: allowed a list from"),
+        ("seeds", [0, 0], "invalid field seeds=[0, 0]: allowed a non-empty list of distinct integers"),
+        ("seeds", ["a"], "invalid field seeds.0='a': allowed a valid integer"),
+        ("evaluate", {"best": 1}, "invalid field evaluate.best=1: allowed keys ['best_trials'"),
+        ("evaluate", {"best_trials": -1}, "invalid field evaluate.best_trials=-1: allowed greater than or equal to 0"),
+        ("evaluate", {"num_prompts": 0}, "invalid field evaluate.num_prompts=0: allowed greater than or equal to 1"),
+        ("evaluate", {"temperatures": [-1]}, "invalid field evaluate.temperatures.0=-1: allowed greater than or equal"),
+        ("evaluate", {"temperatures": []}, "invalid field evaluate.temperatures=[]: allowed"),
+    ],
+)
+def test_every_error_is_one_line_naming_field_value_and_what_is_allowed(field, value, message):
+    with pytest.raises(StudyDefinitionError) as error:
+        parse_study(_set(SEARCH, field, value), "search.yaml")
+    text = str(error.value)
+    assert text.startswith("search.yaml: ") and "\n" not in text
+    assert message in text, text
+
+
+def test_a_grid_over_a_float_range_is_refused():
+    data = _set(SEARCH, "sampler", {"type": "grid"})
+    with pytest.raises(StudyDefinitionError, match="grid sampler needs categorical or linear int dimensions"):
+        parse_study(data, "search.yaml")
+
+
+def test_yaml_syntax_and_top_level_errors(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: [unclosed\n")
+    with pytest.raises(StudyDefinitionError, match=r"broken.yaml: not valid YAML"):
+        load_study(broken)
+    with pytest.raises(StudyDefinitionError, match=r"x.yaml: invalid field <top level>="):
+        parse_study(["a", "list"], "x.yaml")
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "studies").glob("*.yaml")), ids=lambda p: p.name)
+def test_the_json_schema_validates_every_shipped_study_file(path):
+    data = yaml.safe_load(path.read_text())
+    jsonschema.validate(data, study_json_schema())
+    load_study(path)  # and the semantic checks pass too
+
+
+def test_the_json_schema_rejects_what_the_parser_rejects():
+    schema = study_json_schema()
+    for field, value in (("budget.n_trails", 3), ("sampler.type", "cmaes"), ("budget.n_trials", -1)):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(_set(SEARCH, field, value), schema)
+
+
+def test_study_schema_command_prints_the_json_schema():
+    done = subprocess.run(
+        [sys.executable, "-m", "harness.cli", "study", "schema"], capture_output=True, text=True, cwd=ROOT
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == study_json_schema()
