@@ -401,6 +401,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from harness.preemption import SIGTERM_EXIT, Preempted, stop_on_preemption
+
+    stop_on_preemption()
     try:
         if not getattr(args, "dry_run", False):  # a dry run touches no device and no store
             from harness import tracking
@@ -409,7 +412,14 @@ def main(argv: list[str] | None = None) -> int:
             check_device(getattr(args, "device", "cpu"))
             tracking.check_reachable(args.workdir)
         return args.handler(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
+        if isinstance(stop, Preempted):
+            print(
+                "error: terminated (SIGTERM); recorded as interrupted: `train ... --resume` continues the run, "
+                "launching the study again resumes its trial",
+                file=sys.stderr,
+            )
+            return SIGTERM_EXIT
         print("error: interrupted (Ctrl-C); finished work is kept and resumes where it stopped", file=sys.stderr)
         return 130
     except SystemExit as stop:

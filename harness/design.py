@@ -183,8 +183,8 @@ class FactorialDesign:
                 continue
             aliases = self.aliases(effect)
             seen.update(aliases)
-            shown = [word_name(a) for a in aliases if len(a) <= 3]
-            lines.append(f"{word_name(effect)} = {' = '.join(shown) if shown else '(only beyond three factors)'}")
+            shown = " = ".join(word_name(a) for a in aliases if len(a) <= 3)
+            lines.append(f"{word_name(effect)} = {shown or '(aliased only with interactions of four or more factors)'}")
         return lines
 
     def describe(self) -> str:

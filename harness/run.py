@@ -21,6 +21,7 @@ import torch
 
 from harness import tracking
 from harness.files import atomic_write
+from harness.preemption import Preempted
 from harness.tracking import RunStatus
 
 log = logging.getLogger(__name__)
@@ -161,8 +162,9 @@ class Run:
         self.start(tags, parent_run_id)
         try:
             yield self
-        except KeyboardInterrupt:
-            self.end(RunStatus.INTERRUPTED, "KeyboardInterrupt: stopped by the user")
+        except KeyboardInterrupt as stop:
+            reason = str(stop) if isinstance(stop, Preempted) else "KeyboardInterrupt: stopped by the user"
+            self.end(RunStatus.INTERRUPTED, reason)
             raise
         except BaseException as error:
             self.end(RunStatus.FAILED, f"{type(error).__name__}: {error}")

@@ -177,3 +177,17 @@ def who_and_where() -> dict[str, str]:
 def stringified(params: dict) -> dict[str, object]:
     """MLflow params as logged: None spelled out."""
     return {k: "None" if v is None else v for k, v in params.items()}
+
+
+class ChangedMetrics:
+    """Logs a run's metric only when it differs from the value the run holds: a relaunch or a rebuilt report
+    adds no duplicate rows."""
+
+    def __init__(self, client: mlflow.MlflowClient, run_id: str) -> None:
+        self.client, self.run_id = client, run_id
+        self.current = dict(client.get_run(run_id).data.metrics)
+
+    def log(self, key: str, value: float) -> None:
+        if self.current.get(key) != float(value):
+            self.client.log_metric(self.run_id, key, float(value))
+            self.current[key] = float(value)

@@ -349,7 +349,7 @@ class TrainingRecipe:
         """The resumed checkpoint's metrics that never reached MLflow (one batch is logged whole or not at all)."""
         client = tracking.client(self.run.workdir)
         for values, prefix, step in self.unflushed:
-            key = f"{prefix}{next(iter(values))}"
+            key = tracking.metric_key(next(iter(values)), prefix)  # as logged: curve/realized, accept/unary
             if step not in {m.step for m in client.get_metric_history(self.run.run_id, key)}:
                 self.run.log_metrics(values, prefix, step)
         self.unflushed = []

@@ -25,9 +25,9 @@ def build_report(study: str, workdir: Path, out_root: Path = Path("reports")) ->
     configs = study_configurations(record)
     client.log_table(parent, leaderboard_frame(configs), LEADERBOARD_TABLE)
     client.set_tag(parent, tracking.TAG_NOTE, headline(configs))
-    for key, value in design_metrics(record).items():  # logged once per change: a rebuild adds no rows
-        if record.parent["metrics"].get(key) != value:
-            client.log_metric(parent, key, value)
+    logged = tracking.ChangedMetrics(client, parent)
+    for key, value in design_metrics(record).items():  # a rebuilt report adds no rows
+        logged.log(key, value)
     return path
 
 

@@ -49,6 +49,7 @@ from studies.storage import (
     heartbeat_grace_s,
     make_storage,
     pruning_hook,
+    requeue_interrupted,
     storage_url,
 )
 from studies.torchrun_job import RunJob, TrialLink
@@ -292,13 +293,18 @@ class StudyRunner:
         print(f"[trial {trial.number}] {params}{self._eta()}", flush=True)
         started = time.time()
         results = []
-        for index, seed in enumerate(self.definition.seeds):
-            result = self._run_trial_seed(trial, config, tags, seed, first=index == 0)
-            if result.stopped_reason:
-                trial.set_user_attr(ATTR_PRUNED, result.stopped_reason)
-                print(f"[trial {trial.number}] {result.stopped_reason}", flush=True)
-                raise optuna.TrialPruned(result.stopped_reason)
-            results.append(result)
+        try:
+            for index, seed in enumerate(self.definition.seeds):
+                result = self._run_trial_seed(trial, config, tags, seed, first=index == 0)
+                if result.stopped_reason:
+                    trial.set_user_attr(ATTR_PRUNED, result.stopped_reason)
+                    print(f"[trial {trial.number}] {result.stopped_reason}", flush=True)
+                    raise optuna.TrialPruned(result.stopped_reason)
+                results.append(result)
+        except KeyboardInterrupt as stop:  # its runs recorded themselves interrupted; the next launch resumes it
+            trial.set_user_attr(ATTR_FAIL_REASON, f"interrupted: {stop or type(stop).__name__}")
+            requeue_interrupted(self.study, self.study._storage.get_trial(trial._trial_id))
+            raise
         per_seed = [[r.validation[o] for o in self.definition.objectives] for r in results]
         trial.set_user_attr(ATTR_SEED_VALUES, per_seed)
         values = [sum(column) / len(column) for column in zip(*per_seed, strict=True)]  # the mean over seeds
@@ -430,6 +436,7 @@ class StudyRunner:
                 summary["trials"][state.name.lower()] = count
         completed = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
         client = tracking.client(self.workdir)
+        logged = tracking.ChangedMetrics(client, self.parent_run_id)
         if completed:
             if len(self.definition.objectives) == 1:
                 best = self.study.best_trial
@@ -440,7 +447,7 @@ class StudyRunner:
                     "mlflow_run_id": best.user_attrs.get(ATTR_RUN_ID),
                 }
                 objective = self.definition.objectives[0]
-                client.log_metric(self.parent_run_id, f"{tracking.BEST_PREFIX}{objective}", best.value)
+                logged.log(f"{tracking.BEST_PREFIX}{objective}", best.value)
                 client.set_tag(self.parent_run_id, tracking.TAG_BEST_TRIAL, f"trial {best.number}")
                 client.set_tag(self.parent_run_id, tracking.TAG_BEST_RUN_ID, best.user_attrs.get(ATTR_RUN_ID, ""))
                 client.set_tag(
@@ -462,7 +469,7 @@ class StudyRunner:
                 importances, summary["importance_note"] = {}, f"not computable: {error}"
             summary["importances"] = importances
             for knob, value in importances.items():
-                client.log_metric(self.parent_run_id, f"{tracking.IMPORTANCE_PREFIX}{knob}", value)
+                logged.log(f"{tracking.IMPORTANCE_PREFIX}{knob}", value)
         client.set_tag(
             self.parent_run_id, tracking.TAG_TRIALS_USED, f"{finished_count(self.study)} of {self.definition.n_trials}"
         )
@@ -609,11 +616,22 @@ def launch(
     mlflow.set_experiment(tracking.experiment_name(definition.name))
     runner = StudyRunner(definition, workspace, study, parent, claims, device, system_metrics, url)
     workers = spawn_workers(study_file, others, workdir, url, system_metrics) if others else []
-    if not worker:
-        runner.run_baselines()
-    runner.optimize()
-    for process in workers:
-        process.wait()
+    try:
+        if not worker:
+            runner.run_baselines()
+        runner.optimize()
+        for process in workers:
+            process.wait()
+    except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: the workers stop too, each recording its trial
+        for process in workers:
+            process.terminate()
+        for process in workers:
+            process.wait()
+        if not worker:
+            client = tracking.client(workdir)
+            client.set_tag(parent, tracking.TAG_STATUS, RunStatus.INTERRUPTED.value)
+            client.set_tag(parent, tracking.TAG_STATUS_REASON, str(stop) or type(stop).__name__)
+        raise
     if worker:
         return {"study": definition.name, "worker": True}
     runner.run_baselines(wait=True)  # those another launcher held, or a dead launcher left

@@ -53,7 +53,7 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
                 url,
                 heartbeat_interval=max(1, grace // 3),
                 grace_period=grace,
-                heartbeat_stale_trial_callback=_requeue_interrupted,
+                heartbeat_stale_trial_callback=requeue_interrupted,
                 engine_kwargs={"connect_args": connect},
             )
         except sqlalchemy.exc.OperationalError as error:
@@ -63,7 +63,7 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
             ) from None
 
 
-def _requeue_interrupted(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+def requeue_interrupted(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
     """Record a dead worker's (already failed) trial as interrupted and re-queue its params.
 
     The retry resumes the dead trial's run.

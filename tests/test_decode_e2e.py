@@ -1,6 +1,7 @@
 """Speculative decoding on the real embedded target with drafts trained by the harness."""
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -15,12 +16,14 @@ from harness.decode import speculative_generate, target_greedy
 from harness.evaluate import mtbench_questions, prompt_ids
 
 pytestmark = pytest.mark.slow
-NUM_PROMPTS, MAX_NEW_TOKENS = 20, 128
+# 8 prompts x 96 tokens reach hundreds of verify cycles and accepted drafts in CI; the full
+# 20 x 128 check (10 minutes on the 2-core machine) runs with DFLASH_LAB_FULL_LOSSLESS=1.
+NUM_PROMPTS, MAX_NEW_TOKENS = (20, 128) if os.environ.get("DFLASH_LAB_FULL_LOSSLESS") else (8, 96)
 
 
 @pytest.fixture(scope="session")
 def mtbench_references(e2e_workspace):
-    """The target alone, greedy, on the first 20 MT-bench questions (computed once)."""
+    """The target alone, greedy, on the first NUM_PROMPTS MT-bench questions (computed once)."""
     tokenizer = e2e_workspace.target.tokenizer
     stop = {tokenizer.eos_token_id}
     prompts = [prompt_ids(tokenizer, q) for q in mtbench_questions(NUM_PROMPTS)]

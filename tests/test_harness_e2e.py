@@ -324,3 +324,29 @@ def test_online_features_equal_the_cache(e2e_workspace, e2e_workdir):
     ]
     assert losses[1] == pytest.approx(losses[0], rel=1e-3)
     assert sorted((e2e_workdir / "features").rglob("*")) == before, "online mode writes no cache"
+
+
+def test_sigterm_records_the_run_interrupted_and_resume_continues_it(e2e_workspace, e2e_workdir):
+    """Preemption: SIGTERM mid-run ends `train` in one line with exit 143, the run is recorded interrupted with
+    the reason, and `--resume` continues it in the same MLflow run without logging a step twice."""
+    import signal
+
+    args = _cli_train(e2e_workdir, "preempted", "--max-steps", "8", "--eval-every", "4", "--checkpoint-every", "2")
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    checkpoint = e2e_workdir / "runs" / "preempted" / "checkpoint.pt"
+    deadline = time.time() + 300
+    while not checkpoint.exists() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1].startswith("error: terminated (SIGTERM)") and "Traceback" not in stderr
+    client, run = _run(e2e_workdir, "preempted")
+    assert run.data.tags[tracking.TAG_STATUS] == "interrupted"
+    assert "SIGTERM" in run.data.tags[tracking.TAG_STATUS_REASON]
+    done = subprocess.run(args + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    client, resumed = _run(e2e_workdir, "preempted")
+    assert resumed.info.run_id == run.info.run_id and resumed.data.tags[tracking.TAG_STATUS] == "finished"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == sorted(set(steps)) and steps[-1] == 8

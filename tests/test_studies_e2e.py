@@ -649,3 +649,50 @@ def test_a_killed_design_with_two_workers_runs_every_point_once_and_reports_its_
     parent = client.search_runs([experiment], "tags.`dflash_lab.role` = 'study'")[0].info.run_id
     assert len(client.get_metric_history(parent, "design/runs")) == 1
     assert len(optuna.load_study(study_name="tiny-design", storage=url).trials) == len(study.trials)
+
+
+def test_sigterm_to_a_study_records_the_trial_interrupted_and_a_relaunch_resumes_it(
+    e2e_workspace, e2e_workdir, tmp_path
+):
+    study_file = _study_file(
+        tmp_path,
+        "preempted",
+        **{
+            "conv_group_size: [16, 7]": "conv_group_size: [16]",
+            "baselines: [dflash, dflash2_defaults]": "baselines: []",
+            "steps_per_trial: 4": "steps_per_trial: 6",
+        },
+    )
+    args = [*CLI, "study", "launch", str(study_file), "--workdir", str(e2e_workdir), "--no-report"]
+    process = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    checkpoint = e2e_workdir / "runs" / "preempted-trial-0" / "checkpoint.pt"
+    deadline = time.time() + 400
+    while not checkpoint.exists() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("error: terminated (SIGTERM)")
+    url = storage_url(e2e_workdir, None)
+    study = optuna.load_study(study_name="preempted", storage=url)
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.WAITING]
+    assert study.trials[0].user_attrs["fail_reason"].startswith("interrupted: Preempted")
+    client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
+    experiment = client.get_experiment_by_name("dflash-lab/preempted").experiment_id
+    (run,) = client.search_runs([experiment], "tags.`dflash_lab.role` = 'trial'")
+    assert (
+        run.data.tags[tracking.TAG_STATUS] == "interrupted" and "SIGTERM" in run.data.tags[tracking.TAG_STATUS_REASON]
+    )
+    relaunched = _launch(study_file, e2e_workdir, "--no-report", cwd=tmp_path)
+    assert relaunched.returncode == 0, relaunched.stderr[-3000:]
+    assert "resuming preempted-trial-0" in relaunched.stderr, "the interrupted trial resumes its checkpoint"
+    again = _launch(study_file, e2e_workdir, "--no-report", cwd=tmp_path)  # nothing left: nothing logged again
+    assert again.returncode == 0 and "[trial" not in again.stdout
+    study = optuna.load_study(study_name="preempted", storage=url)
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 2 and complete[0].user_attrs["origin_trial"] == 0
+    runs = client.search_runs([experiment], "tags.`dflash_lab.role` = 'trial'")
+    assert sorted(r.info.run_name for r in runs) == ["preempted-trial-0", "preempted-trial-2"]
+    assert next(r for r in runs if r.info.run_name == "preempted-trial-0").info.run_id == run.info.run_id
+    parent = client.search_runs([experiment], "tags.`dflash_lab.role` = 'study'")[0].info.run_id
+    assert len(client.get_metric_history(parent, "best/realized_accepted_length")) == 1

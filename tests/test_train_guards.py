@@ -64,10 +64,17 @@ def test_a_resume_logs_the_checkpoints_unflushed_metrics_once(tmp_path, monkeypa
     config.algorithm = config.algorithm.replace(mask_token_id=5, target_layer_ids=[2, 4, 5])
     run = Run(tmp_path, "killed-mid-save", experiment="flush-check")
     with run.active({}):
+        curve = {"unary_accepted_length": 1.1, "realized_accepted_length": 1.2}
         run.log_metrics({"loss": 2.0}, tracking.TRAIN_PREFIX, 1)  # flushed before the kill
+        run.log_metrics(curve, tracking.CURVE_PREFIX, 1)  # logged as curve/unary: the check reads that key
         recipe = TrainingRecipe(config, _workspace(tmp_path, [packed_row()]), run)
-        recipe.unflushed = [({"loss": 2.0}, tracking.TRAIN_PREFIX, 1), ({"loss": 1.5}, tracking.TRAIN_PREFIX, 2)]
+        recipe.unflushed = [
+            ({"loss": 2.0}, tracking.TRAIN_PREFIX, 1),
+            (curve, tracking.CURVE_PREFIX, 1),
+            ({"loss": 1.5}, tracking.TRAIN_PREFIX, 2),
+        ]
         recipe.log_unflushed()
-    history = tracking.client(tmp_path).get_metric_history(run.run_id, "train/loss")
-    assert sorted(m.step for m in history) == [1, 2]
+    client = tracking.client(tmp_path)
+    assert sorted(m.step for m in client.get_metric_history(run.run_id, "train/loss")) == [1, 2]
+    assert [m.step for m in client.get_metric_history(run.run_id, "curve/realized")] == [1]
     mlflow.set_tracking_uri("")
