@@ -21,12 +21,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
 
+from harness import tracking
 from harness.devices import uses_bf16
 from reports.collect import collect
 from reports.designed import RecordedDesign, design_units, fit_recorded, recorded_design
@@ -68,22 +68,22 @@ def measure(layout: str, args: argparse.Namespace, out: Path) -> dict:
     precision, jobs = layout.split(":")
     name = f"ttv-{precision}-{jobs}job-{args.steps}steps"
     path = study_file(out, name, args.steps, args.seeds, precision)
-    launched = time.time()
     command = [sys.executable, "-m", "harness.cli", "study", "launch", str(path), "--workdir", str(args.workdir)]
     done = subprocess.run([*command, "--n-jobs", jobs, "--no-report"], capture_output=True, text=True)
-    total = time.time() - launched
     if done.returncode != 0:
         raise SystemExit(f"error: layout {layout} failed: {done.stderr.strip().splitlines()[-1]}")
+    # Times come from MLflow (the parent run's start, each run's end), so a rerun on a finished study replays
+    # the recorded launch instead of timing a relaunch that has nothing left to do.
     record = collect(name, args.workdir)
     record.runs["end_s"] = end_times(record, args.workdir)
+    launched = tracking.client(args.workdir).get_run(record.parent["run_id"]).info.start_time / 1000
     result = replay(recorded_design(record), record, launched)
+    total = float(record.runs["end_s"].max()) - launched
     return {"layout": layout, "bf16": uses_bf16("cpu", precision), "study_s": total, **result}
 
 
 def end_times(record, workdir: Path) -> list[float]:
     """Each run's end, in seconds since the epoch, from MLflow."""
-    from harness import tracking
-
     client = tracking.client(workdir)
     return [client.get_run(run_id).info.end_time / 1000 for run_id in record.runs["run_id"]]
 

@@ -95,7 +95,10 @@ def fit_design(
     x, names = design_matrix(design, units, terms)
     y = np.array([u.value for u in units])
     s2 = np.array([u.se**2 if math.isfinite(u.se) else 0.0 for u in units])
-    dof = len(units) - np.linalg.matrix_rank(x)
+    rank = int(np.linalg.matrix_rank(x))
+    if rank < x.shape[1]:  # a point or the reference arm has no run yet: some effects are not estimable
+        return Fit([], len(units) - rank, float("nan"), len(units), "not every design point has a finished run")
+    dof = len(units) - rank
     if dof < 1:
         return Fit([], int(dof), float("nan"), len(units), "no residual degrees of freedom: add seeds or runs")
     unweighted = sm.OLS(y, x).fit()

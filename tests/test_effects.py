@@ -158,3 +158,11 @@ def test_no_residual_degrees_of_freedom_gives_no_interval():
 )
 def test_labels(low, high, expected):
     assert label(Estimate((low + high) / 2, 0.01, low, high, 5), margin=0.05)[0] == expected
+
+
+def test_a_design_missing_a_point_estimates_nothing():
+    """Before every point has a run, some effects are not estimable: no label may come from such a fit."""
+    design = FactorialDesign({"conv": ("off", "on"), "selector": ("off", "on")})
+    units = [Unit({"conv": c, "selector": "off"}, v, 0.01) for c in ("off", "on") for v in (1.0, 1.4)]
+    fit = fit_design(design, units, margin=0.05, interactions=False)
+    assert fit.effects == [] and "not every design point" in fit.note
