@@ -217,7 +217,7 @@ def _fingerprint(workdir: Path) -> dict[str, str]:
         (["train", "--run-name", "/abs/path"], {}, "invalid --run-name='/abs/path': allowed"),
         (["train", "--run-name", ".."], {}, "invalid --run-name='..': allowed"),
         (["train", "--run-name", "x" * 300], {}, "invalid --run-name='xxxxxxxx"),
-        (["export", "kept"], {}, "checkpoint.pt is unreadable (RuntimeError"),
+        (["export", "kept"], {}, "checkpoint.pt is unreadable (UnpicklingError"),
     ],
 )
 def test_bad_input_ends_in_one_error_line_exit_2_and_leaves_the_workdir_alone(tmp_path, args, env, message):
