@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -20,9 +22,17 @@ BLOCK_ATTENTIONS = ("bidirectional", "causal")
 SELECTOR_INITS = ("zero_successor", "normal")
 
 
-def knob_error(knob: str, value: Any, allowed: str) -> ValueError:
+class KnobError(ValueError):
+    """A bad knob value; `knob` names it so a caller can say where it came from (a file, a flag)."""
+
+    def __init__(self, knob: str, value: Any, allowed: str):
+        super().__init__(f"invalid knob {knob}={value!r}: allowed {allowed}")
+        self.knob = knob
+
+
+def knob_error(knob: str, value: Any, allowed: str) -> KnobError:
     """The one error shape for a bad knob: its name, its value and what is allowed."""
-    return ValueError(f"invalid knob {knob}={value!r}: allowed {allowed}")
+    return KnobError(knob, value, allowed)
 
 
 def knob(default: Any, help: str, *, flag: str | None = None, choices: tuple[str, ...] | None = None) -> Any:
@@ -33,10 +43,46 @@ def knob(default: Any, help: str, *, flag: str | None = None, choices: tuple[str
     return field(default=default, metadata=metadata)
 
 
+def type_name(hint: Any) -> str:
+    """A type hint as a reader would write it: `an integer`, `a list of integers or none`."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(type_name(arg) for arg in typing.get_args(hint))
+    if typing.get_origin(hint) is list:
+        return f"a list of {type_name(typing.get_args(hint)[0]).split(' ', 1)[1]}s"
+    if typing.get_origin(hint) is dict:
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "none"}.get(
+        hint, str(hint)
+    )
+
+
+def has_type(value: Any, hint: Any) -> bool:
+    """Whether a loaded value fits a knob's type hint; a bool is never a number, an int is a float."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(has_type(value, arg) for arg in typing.get_args(hint))
+    if origin is list:
+        return isinstance(value, list) and all(has_type(v, typing.get_args(hint)[0]) for v in value)
+    if origin is dict:
+        key, item = typing.get_args(hint)
+        return isinstance(value, dict) and all(has_type(k, key) and has_type(v, item) for k, v in value.items())
+    if hint is type(None):
+        return value is None
+    if isinstance(value, bool):
+        return hint is bool
+    if hint is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, hint)
+
+
 def check_section(section: Any) -> None:
-    """Checks every knob dataclass shares: choices hold, and no float knob is NaN or infinite."""
+    """Checks every knob dataclass shares: each value has its field's type (YAML `true` is not a step count,
+    `4.5` not an integer), choices hold, and no float knob is NaN or infinite."""
+    hints = typing.get_type_hints(type(section))
     for item in dataclasses.fields(section):
         value = getattr(section, item.name)
+        if not has_type(value, hints[item.name]):
+            raise knob_error(item.name, value, type_name(hints[item.name]))
         choices = item.metadata.get("choices")
         if choices and value not in choices:
             raise knob_error(item.name, value, f"one of {list(choices)}")

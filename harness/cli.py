@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -46,12 +47,15 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
 
 def resolve_run_config(args: argparse.Namespace):
     """Preset, then the YAML config, then the flags given on the command line (last wins)."""
-    from harness.config import RunConfig, load_yaml
+    from algorithms.knobs import KnobError
+    from harness.config import CONFIG_SECTION, RunConfig, file_knobs, load_yaml
+    from harness.data import check_local_dataset
     from harness.knob_flags import flag_overrides
     from harness.presets import preset_run
 
+    loaded = load_yaml(args.config) if args.config else {}
+    from_file = file_knobs(loaded)
     try:
-        loaded = load_yaml(args.config) if args.config else {}
         algorithm = args.algorithm or loaded.pop("algorithm", DEFAULT_ALGORITHM)
         target = args.target or loaded.pop("target", DEFAULT_TARGET)
         data = preset_run(args.preset or ("small" if target == DEFAULT_TARGET else "published"), algorithm, target)
@@ -62,8 +66,12 @@ def resolve_run_config(args: argparse.Namespace):
         data.update(loaded, algorithm=algorithm, target=target)
         config = RunConfig.from_dict(data)
         config.validate()
+        check_local_dataset(config.data)
     except (TypeError, ValueError) as error:
-        raise SystemExit(f"error: {error}") from None
+        named = isinstance(error, KnobError) and (
+            error.knob == CONFIG_SECTION or error.knob.rsplit(".", 1)[-1] in from_file
+        )
+        raise SystemExit(f"error: {args.config}: {error}" if named else f"error: {error}") from None
     return config
 
 
@@ -162,6 +170,7 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> int | None:
     """`--nproc-per-node N` outside torchrun: run this same command as N ranks under torchrun, return its exit
     status. None when this process is already a rank (or N is 1)."""
     from harness.distributed import launched_by_torchrun, run_ranks
+    from harness.run import Run
 
     if args.nproc_per_node < 1:
         raise SystemExit(f"error: invalid --nproc-per-node={args.nproc_per_node}: allowed an integer >= 1")
@@ -169,7 +178,15 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> int | None:
         raise SystemExit(f"error: invalid --collective-timeout={args.collective_timeout}: allowed seconds > 0")
     if args.nproc_per_node == 1 or launched_by_torchrun():
         return None
-    return run_ranks(args.nproc_per_node, "harness.cli", args.argv)
+    ended = run_ranks(args.nproc_per_node, "harness.cli", args.argv, args.workdir)
+    if ended.lost is None:
+        return ended.status
+    if ended.run_directory is not None and Run.at(ended.run_directory).record_lost(ended.lost):
+        raise SystemExit(
+            f"error: {ended.lost}; its run {ended.run_directory.name!r} is recorded failed "
+            "(`--resume` continues it from its last checkpoint)"
+        )
+    raise SystemExit(f"error: {ended.lost}")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -401,9 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from harness.preemption import SIGTERM_EXIT, Preempted, stop_on_preemption
+    from harness.preemption import SIGTERM_EXIT, Preempted, exit_quietly_on_sigterm, stop_on_preemption
 
     stop_on_preemption()
+    if os.environ.get("RANK", "0") != "0":  # a torchrun rank that owns no run
+        exit_quietly_on_sigterm()
     try:
         if not getattr(args, "dry_run", False):  # a dry run touches no device and no store
             from harness import tracking

@@ -17,6 +17,7 @@ OPTIMIZERS = ("adamw",)
 SCHEDULES = ("linear", "cosine")
 PRECISIONS = ("auto", "fp32", "bf16")
 CACHE_FEATURES, ONLINE_FEATURES = "cache", "online"
+CONFIG_SECTION = "config section"  # the knob name of an unknown top-level key, which only a config file can set
 FEATURE_MODES = (CACHE_FEATURES, ONLINE_FEATURES)
 
 
@@ -93,7 +94,7 @@ class RunConfig:
         known = {"target", "algorithm", "shared", "knobs", "train", "data"}
         unknown = set(data) - known
         if unknown:
-            raise knob_error("config section", sorted(unknown)[0], f"one of {sorted(known)}")
+            raise knob_error(CONFIG_SECTION, sorted(unknown)[0], f"one of {sorted(known)}")
         algorithm = AlgorithmConfig.from_dict({k: data[k] for k in ("algorithm", "shared", "knobs") if k in data})
         train = build_section(TrainConfig, data.get("train", {}), "train")
         data_config = build_section(DataConfig, data.get("data", {}), "data")
@@ -108,8 +109,28 @@ class RunConfig:
         return stable_hash(self.to_dict())
 
 
+def parse_yaml(text: str, path: Path | str) -> Any:
+    """YAML text -> data; a syntax error is one line naming the file, the line and the column."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"{path}: not valid YAML{where}: {problem}") from None
+
+
 def load_yaml(path: Path) -> dict[str, Any]:
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    data = parse_yaml(Path(path).read_text(), path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping at the top level")
     return data
+
+
+def file_knobs(data: dict[str, Any]) -> set[str]:
+    """The knob names a loaded run config sets, in any section (to say which errors came from the file)."""
+    names = set(data)
+    for values in data.values():
+        if isinstance(values, dict):
+            names |= set(values)
+    return names

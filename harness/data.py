@@ -107,14 +107,15 @@ def load_conversations(config: DataConfig, cache_dir: Path) -> list[list[dict]]:
         source = dict(path="json", data_files=str(chitchat_to_jsonl(cache_dir / "data" / "chitchat.jsonl")))
     elif Path(config.dataset).exists():
         source = dict(path="json", data_files=config.dataset)
+        check_local_dataset(config)
     else:
         source = dict(path=config.dataset)
-    if "data_files" in source and Path(source["data_files"]).stat().st_size == 0:
-        raise ValueError(f"invalid --data={config.dataset!r}: the file is empty; allowed a JSONL file of messages")
     try:
         table = datasets.load_dataset(**source, split=config.split)
-    except (OSError, ValueError, StopIteration) as error:
-        raise ValueError(f"invalid --data={config.dataset!r}: {type(error).__name__}: {error}") from None
+    except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetGenerationError) as error:
+        cause = error.__cause__ or error  # the builder wraps the reader's own error
+        problem = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        raise ValueError(f"invalid --data={config.dataset!r}: {type(cause).__name__}: {problem}") from None
     if "messages" not in table.column_names:
         raise ValueError(
             f"invalid --data={config.dataset!r}: no 'messages' column (columns: {table.column_names}); "
@@ -142,6 +143,28 @@ def load_conversations(config: DataConfig, cache_dir: Path) -> list[list[dict]]:
             f"usable conversations of {config.dataset!r}"
         )
     return [table[i]["messages"] for i in usable[: config.num_conversations]]
+
+
+def check_local_dataset(config: DataConfig) -> None:
+    """A local `--data` file must be UTF-8 JSON objects, one per line: the first bad line is named (before
+    anything is loaded, and before `datasets` wraps the parser's error in a traceback of its own)."""
+    path, dataset = Path(config.dataset), config.dataset
+    if config.dataset in EMBEDDED_DATASETS or not path.is_file():
+        return
+    allowed = 'allowed a JSONL file of {"messages": [{"role": ..., "content": ...}, ...]} per line'
+    if path.stat().st_size == 0:
+        raise ValueError(f"invalid --data={dataset!r}: the file is empty; {allowed}")
+    with path.open("rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                problem = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else f"not JSON ({error.msg})"
+                raise ValueError(f"invalid --data={dataset!r}: line {number} is {problem}; {allowed}") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"invalid --data={dataset!r}: line {number} is not a JSON object; {allowed}")
 
 
 def conversation_problem(messages, regenerate: bool = True) -> str | None:

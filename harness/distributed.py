@@ -6,6 +6,7 @@ and every helper here is then a no-op, so training has one code path.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -15,14 +16,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from harness.files import remove
+from harness.run import LAUNCHED_RUN_ENV
+
 log = logging.getLogger(__name__)
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+# Set for harness.torchrun_launch: where it writes the first failed rank of a job.
+RANK_FAILURE_ENV = "DFLASH_LAB_RANK_FAILURE_FILE"
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -81,17 +88,45 @@ class Ranks:
 SINGLE = Ranks()
 
 
-def run_ranks(nproc_per_node: int, module: str, args: list[str], env: dict[str, str] | None = None) -> int:
-    """`python -m <module> <args>` as `nproc_per_node` ranks under torchrun on this machine; its exit status.
+@dataclass(frozen=True)
+class RanksExit:
+    """How a torchrun job ended, as its launcher saw it."""
+
+    status: int
+    lost: str | None  # torchrun's first failed rank as a reason: `rank 0 lost (killed by SIGKILL)`
+    run_directory: Path | None  # the run rank 0 had started, if it got that far
+
+
+def run_ranks(
+    nproc_per_node: int, module: str, args: list[str], scratch: Path, env: dict[str, str] | None = None
+) -> RanksExit:
+    """`python -m <module> <args>` as `nproc_per_node` ranks under torchrun on this machine.
 
     torchrun pins each rank to one thread unless told otherwise: on the CPU the ranks share the cores instead.
-    The ranks die with the calling process (Linux), so a killed study worker leaves no orphaned trial."""
+    The ranks die with the calling process (Linux), so a killed study worker leaves no orphaned trial. Two
+    small files in `scratch` (the work directory) carry back which rank failed and which run rank 0 started,
+    so the launcher can record a run whose rank 0 died without a word."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    failure, launched = (scratch / f".{kind}-{os.getpid()}.json" for kind in ("rank-failure", "launched-run"))
     threads = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
-    environment = {"OMP_NUM_THREADS": threads, **os.environ, **(env or {})}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc_per_node}"]
+    environment = {
+        "OMP_NUM_THREADS": threads,
+        **os.environ,
+        **(env or {}),
+        RANK_FAILURE_ENV: str(failure),
+        LAUNCHED_RUN_ENV: str(launched),
+    }
+    command = [sys.executable, "-m", "harness.torchrun_launch", "--standalone", f"--nproc-per-node={nproc_per_node}"]
     command += ["-m", module, *args]
     log.info("launching %d ranks: %s", nproc_per_node, " ".join(command))
-    return subprocess.run(command, env=environment, check=False, preexec_fn=_die_with_parent).returncode
+    try:
+        status = subprocess.run(command, env=environment, check=False, preexec_fn=_die_with_parent).returncode
+        lost = json.loads(failure.read_text())["reason"] if failure.exists() else None
+        directory = Path(json.loads(launched.read_text())["directory"]) if launched.exists() else None
+    finally:
+        remove(failure)
+        remove(launched)
+    return RanksExit(status, lost, directory)
 
 
 def _die_with_parent() -> None:

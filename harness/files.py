@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import re
 import shutil
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,9 +32,25 @@ def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
         if path.is_dir() and not path.is_symlink():
             os.replace(path, aside)
         os.replace(tmp, path)
+    except BaseException as error:
+        # The writer's frames (held by the traceback) may keep the temporary open: on a full disk its blocks
+        # would stay allocated after the unlink, and nothing else (SQLite recording the failure) could write.
+        release_frames(error)
+        raise
     finally:
         remove(tmp)
         remove(aside)
+
+
+def release_frames(error: BaseException) -> None:
+    """Clear the finished frames of `error` and of every exception chained to it, so the objects they held
+    (open files, writers) are closed now rather than when the exception is finally dropped."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+    gc.collect()
 
 
 def remove(path: Path) -> None:

@@ -5,6 +5,7 @@ Standard library only, so the CLI installs the handler before anything heavy is 
 
 from __future__ import annotations
 
+import os
 import signal
 
 SIGTERM_EXIT = 128 + signal.SIGTERM  # the shell's status for a process ended by SIGTERM: 143
@@ -22,3 +23,9 @@ def stop_on_preemption() -> None:
         raise Preempted("Preempted: stopped by SIGTERM (preemption or cancellation); resumable")
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def exit_quietly_on_sigterm() -> None:
+    """A torchrun rank other than 0 owns nothing, and torchrun sends it SIGTERM when another rank fails: it
+    leaves at once, and the launcher reports the job in one line."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(SIGTERM_EXIT))

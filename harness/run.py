@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
 import re
 import warnings
@@ -34,8 +35,14 @@ PER_POSITION_FIGURE = "per_position.png"
 VALIDATION_DOCUMENTS_FILE = "validation_documents.csv"  # per-document (sum, total) pairs of the final validation
 EVAL_RECORDS_FILE = "eval_records.json"
 EXPORT_DIR = "export"
+# Set by a torchrun launcher: the file where rank 0 names the run it started (harness.distributed.run_ranks).
+LAUNCHED_RUN_ENV = "DFLASH_LAB_LAUNCHED_RUN_FILE"
 # Checkpoints up to this size are also copied into MLflow's artifact store; larger ones are only tagged.
 ARTIFACT_CHECKPOINT_LIMIT = 64 * 2**20
+
+
+class CheckpointNotSaved(OSError):
+    """Writing a checkpoint failed (a full disk, most often); the run stops and is recorded failed."""
 
 
 def ended_description(status: RunStatus, reason: str) -> str:
@@ -112,9 +119,17 @@ class Run:
         return bool(tracking.client(self.workdir).get_run(run_id).data.metrics)
 
     def save_checkpoint(self, state: dict) -> None:
-        """Atomic: a kill mid-write leaves the previous checkpoint intact."""
+        """Atomic: a kill mid-write, or a full disk, leaves the previous checkpoint intact."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.checkpoint_path, lambda tmp: torch.save(state, tmp))
+        try:
+            atomic_write(self.checkpoint_path, lambda tmp: torch.save(state, tmp))
+        except (OSError, RuntimeError) as error:  # torch's zip writer reports a full disk as a RuntimeError
+            kept = "the previous checkpoint is kept" if self.has_checkpoint() else "no earlier checkpoint exists"
+            raise CheckpointNotSaved(
+                f"checkpoint {self.checkpoint_path} could not be written ({type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else 'no detail'}); {kept}: free disk space, then "
+                "`train ... --resume` continues the run"
+            ) from None
 
     def load_checkpoint(self) -> dict:
         if not self.has_checkpoint():
@@ -154,7 +169,32 @@ class Run:
         self.directory.mkdir(parents=True, exist_ok=True)
         record = json.dumps({"run_id": self.run_id, "name": self.name, "experiment": self.experiment})
         atomic_write(self.path(RUN_FILE), lambda tmp: tmp.write_text(record))
+        if launcher_file := os.environ.get(LAUNCHED_RUN_ENV):
+            launched = json.dumps({"directory": str(self.directory.resolve())})
+            atomic_write(Path(launcher_file), lambda tmp: tmp.write_text(launched))
         return self.run_id
+
+    @classmethod
+    def at(cls, directory: Path) -> Run:
+        """The run whose directory is `directory` (`<workdir>/runs/<name>`), with its recorded MLflow run."""
+        record = json.loads((directory / RUN_FILE).read_text())
+        return cls(directory.parent.parent, record["name"], record["experiment"], record["run_id"])
+
+    def record_lost(self, reason: str) -> bool:
+        """End the MLflow run failed with `reason` if no process recorded its end (its owner was killed);
+        whether it did."""
+        client = tracking.client(self.workdir)
+        if client.get_run(self.run_id).info.status != RunStatus.RUNNING.mlflow_status:
+            return False
+        tags = {
+            tracking.TAG_STATUS: RunStatus.FAILED.value,
+            tracking.TAG_STATUS_REASON: reason,
+            tracking.TAG_NOTE: ended_description(RunStatus.FAILED, reason),
+        }
+        for key, value in tags.items():
+            client.set_tag(self.run_id, key, value)
+        client.set_terminated(self.run_id, status=RunStatus.FAILED.mlflow_status)
+        return True
 
     @contextmanager
     def active(self, tags: dict[str, str], parent_run_id: str | None = None) -> Iterator[Run]:

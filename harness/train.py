@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from algorithms import build_draft
-from algorithms.blocks import Anchors, PackedRow, sample_anchors
+from algorithms.blocks import Anchors, PackedRow, eligible_anchor_mask, sample_anchors
 from algorithms.dflash import DFlashDraft, StepOutput
 from algorithms.metrics import (
     DRAFT_STEP_MS,
@@ -586,6 +586,16 @@ def train(
         raise ValueError(
             f"invalid --data={config.data.dataset!r}: the training set has no supervised (assistant) tokens; "
             "allowed conversations with assistant turns"
+        )
+    block_size = config.algorithm.shared.block_size
+    if not any(
+        bool(eligible_anchor_mask(d.loss_mask, d.document_ids, block_size).any())
+        for d in workspace.validation_documents
+    ):
+        raise ValueError(
+            f"invalid --data={config.data.dataset!r}: no validation anchors (no assistant token of a validation "
+            f"document is followed by {block_size - 1} more tokens of its document, as a block of {block_size} "
+            "needs); allowed conversations with longer assistant turns"
         )
     run = Run(workspace.workdir, run_name or default_run_name(config), experiment, system_metrics=system_metrics)
     found = (run.exists(), run.has_checkpoint(), resume and run.lost_checkpoint()) if ranks.is_main else None

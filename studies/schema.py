@@ -7,13 +7,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from algorithms import ALGORITHMS, SharedKnobs, algorithm_entry
 from algorithms.metrics import DRAFT_STEP_MS, REALIZED_ACCEPTED_LENGTH
 from algorithms.registry import COMPONENT_FACTORS, with_design_point
-from harness.config import RunConfig
+from harness.config import RunConfig, parse_yaml
 from harness.design import FACTORIAL, ONE_AT_A_TIME, Design, DesignError, design_from_spec
 from harness.evaluate import EvalConfig
 
@@ -362,9 +361,9 @@ def _design(path: str, section: DesignSection, run: RunConfig, tuned: tuple[str,
 def load_study(path: Path) -> StudyDefinition:
     text = Path(path).read_text()
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise StudyDefinitionError(f"{path}: not valid YAML: {error}") from None
+        data = parse_yaml(text, path)
+    except ValueError as error:
+        raise StudyDefinitionError(str(error)) from None
     study = parse_study(data, str(path))
     study.source_text = text
     return study

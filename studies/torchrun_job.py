@@ -18,6 +18,7 @@ import optuna
 from harness.config import RunConfig
 from harness.distributed import joined, run_ranks
 from harness.files import atomic_write, remove
+from harness.run import Run
 from harness.train import TrainResult, prepare_workspace, train
 from studies.storage import make_storage, pruning_hook
 
@@ -58,12 +59,14 @@ class RunJob:
         with open(handle, "w") as out:
             json.dump(asdict(self), out)
         try:
-            status = run_ranks(nproc_per_node, "studies.torchrun_job", [str(job_file)])
+            ended = run_ranks(nproc_per_node, "studies.torchrun_job", [str(job_file)], Path(self.workdir))
+            if ended.lost is not None and ended.run_directory is not None:
+                Run.at(ended.run_directory).record_lost(ended.lost)  # rank 0 died before it could
             result = result_file(job_file)
-            if status != 0 or not result.exists():
+            if ended.status != 0 or not result.exists():
                 raise RuntimeError(
-                    f"torchrun job of run {self.options['run_name']!r} exited with status {status}; "
-                    "its MLflow run records the failing rank's reason"
+                    f"torchrun job of run {self.options['run_name']!r} exited with status {ended.status}"
+                    f"{f' ({ended.lost})' if ended.lost else ''}; its MLflow run records the failing rank's reason"
                 )
             values = json.loads(result.read_text())
         finally:

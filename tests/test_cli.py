@@ -190,14 +190,66 @@ def test_config_file_sets_algorithm_and_an_explicit_flag_beats_it(tmp_path):
     assert (plan["knobs"]["conv_kernel_size"], plan["train"]["max_steps"]) == (2, 9)
 
 
-def _fingerprint(workdir: Path) -> dict[str, str]:
+def _fingerprint(workdir: Path) -> dict:
+    """What a command could change in a work directory: every file's checksum, and what the stores hold (runs
+    and their states, metric rows, duplicate (run, key, step) rows, trials and their states), read read-only."""
     import hashlib
+    import sqlite3
 
+    def rows(database: Path, query: str) -> list[tuple]:
+        if not database.exists():
+            return []
+        with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as connection:
+            return sorted(connection.execute(query).fetchall())
+
+    mlflow_db, optuna_db = workdir / "mlflow.db", workdir / "optuna.db"
     return {
-        str(path.relative_to(workdir)): hashlib.sha256(path.read_bytes()).hexdigest()
-        for path in sorted(workdir.rglob("*"))
-        if path.is_file()
+        "files": {
+            str(path.relative_to(workdir)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(workdir.rglob("*"))
+            if path.is_file()
+        },
+        "runs": rows(mlflow_db, "SELECT run_uuid, status, lifecycle_stage FROM runs"),
+        "metric_rows": rows(mlflow_db, "SELECT COUNT(*) FROM metrics"),
+        "duplicate_rows": rows(
+            mlflow_db, "SELECT COUNT(*) FROM (SELECT 1 FROM metrics GROUP BY run_uuid, key, step HAVING COUNT(*) > 1)"
+        ),
+        "trials": rows(optuna_db, "SELECT trial_id, state FROM trials"),
     }
+
+
+@pytest.fixture(scope="module")
+def populated_workdir(tmp_path_factory) -> Path:
+    """A work directory as users have them: an MLflow store with a finished run and its metrics, an Optuna
+    study with a finished trial, and a run directory whose checkpoint is damaged."""
+    import mlflow
+    import optuna
+
+    workdir = tmp_path_factory.mktemp("populated")
+    client = mlflow.MlflowClient(f"sqlite:///{workdir / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("dflash-lab/runs"), run_name="kept")
+    for step in range(3):
+        client.log_metric(run.info.run_id, "accept/realized", 1.0 + step, step=step)
+    client.set_terminated(run.info.run_id)
+    study = optuna.create_study(study_name="kept", storage=f"sqlite:///{workdir / 'optuna.db'}")
+    study.optimize(lambda trial: trial.suggest_float("x", 0, 1), n_trials=1)
+    (workdir / "runs" / "kept").mkdir(parents=True)
+    (workdir / "runs" / "kept" / "checkpoint.pt").write_bytes(b"checkpoint")
+    return workdir
+
+
+BAD_FILES = {
+    "syntax.yaml": "train: [max_steps: 3\n",
+    "word_steps.yaml": "train: {max_steps: ten}\n",
+    "fractional_steps.yaml": "train: {max_steps: 4.5}\n",
+    "bool_steps.yaml": "train: {max_steps: true}\n",
+    "fractional_seed.yaml": "train: {seed: 1.5}\n",
+    "bad_line.jsonl": '{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [oops\n',
+    "binary.jsonl": "\x00\x01\x02\x03\n",
+    "twice_seeded.yaml": (ROOT / "tests" / "data" / "tiny_design.yaml")
+    .read_text()
+    .replace("seeds: [0, 1]", "seeds: [0, 0]"),
+}
 
 
 @pytest.mark.parametrize(
@@ -218,14 +270,37 @@ def _fingerprint(workdir: Path) -> dict[str, str]:
         (["train", "--run-name", ".."], {}, "invalid --run-name='..': allowed"),
         (["train", "--run-name", "x" * 300], {}, "invalid --run-name='xxxxxxxx"),
         (["export", "kept"], {}, "checkpoint.pt is unreadable (UnpicklingError"),
+        (["train", "--config", "{files}/syntax.yaml"], {}, "syntax.yaml: not valid YAML (line 2, column 1)"),
+        (
+            ["train", "--config", "{files}/word_steps.yaml"],
+            {},
+            "word_steps.yaml: invalid knob max_steps='ten': allowed an integer",
+        ),
+        (["train", "--config", "{files}/fractional_steps.yaml"], {}, "invalid knob max_steps=4.5: allowed an integer"),
+        (["train", "--config", "{files}/bool_steps.yaml"], {}, "invalid knob max_steps=True: allowed an integer"),
+        (["train", "--config", "{files}/fractional_seed.yaml"], {}, "invalid knob seed=1.5: allowed an integer"),
+        (["train", "--data", "{files}/bad_line.jsonl"], {}, "bad_line.jsonl': line 2 is not JSON (Expecting value)"),
+        (["train", "--data", "{files}/binary.jsonl"], {}, "binary.jsonl': line 1 is not JSON"),
+        (
+            ["study", "launch", "{files}/twice_seeded.yaml"],
+            {},
+            "invalid field seeds=[0, 0]: allowed a non-empty list of distinct integers",
+        ),
     ],
 )
-def test_bad_input_ends_in_one_error_line_exit_2_and_leaves_the_workdir_alone(tmp_path, args, env, message):
-    workdir = tmp_path / "work"
-    (workdir / "runs" / "kept").mkdir(parents=True)
-    (workdir / "runs" / "kept" / "checkpoint.pt").write_bytes(b"checkpoint")
+def test_bad_input_ends_in_one_error_line_exit_2_and_leaves_the_workdir_alone(
+    populated_workdir, tmp_path, args, env, message
+):
+    import shutil
+
+    workdir, files = tmp_path / "work", tmp_path / "files"
+    shutil.copytree(populated_workdir, workdir)
+    files.mkdir()
+    for name, text in BAD_FILES.items():
+        (files / name).write_text(text)
     before = _fingerprint(workdir)
-    done = _run([*CLI, *args, "--workdir", str(workdir)], env=env)
+    assert before["runs"] and before["metric_rows"] == [(3,)] and before["trials"]
+    done = _run([*CLI, *(arg.format(files=files) for arg in args), "--workdir", str(workdir)], env=env)
     assert done.returncode == 2, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr[-2000:]

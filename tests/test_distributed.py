@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -217,3 +218,50 @@ def test_a_study_runs_each_trial_as_a_torchrun_job(e2e_workspace, e2e_workdir, t
     )
     assert [r.info.run_id for r in children] == [run.info.run_id]  # one MLflow run for the 2-rank trial
     assert not list(e2e_workdir.glob(".torchrun-job-*")), "job files are removed"
+
+
+def test_a_killed_rank_0_is_recorded_by_the_launcher_in_one_line(shared, tmp_path):
+    """SIGKILL to rank 0 of `train --nproc-per-node 2`: rank 0 cannot record anything, so the launching
+    `dflash-lab` process records the run failed with the lost rank as the reason and says so in one line;
+    `--resume` then finishes the same MLflow run."""
+    import signal
+
+    import psutil
+
+    workdir, config = shared
+    for cache in ("targets", "data", "features"):
+        (tmp_path / cache).symlink_to(workdir / cache)
+    args = [
+        str(Path(sys.executable).parent / "dflash-lab"),
+        *train_args(config, "rank0-lost", "--nproc-per-node", "2", "--workdir", str(tmp_path)),
+    ]
+    launcher = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    checkpoint = runs_root(tmp_path) / "rank0-lost" / "checkpoint.pt"
+    deadline = time.time() + 300
+    while not checkpoint.exists() and time.time() < deadline and launcher.poll() is None:
+        time.sleep(0.1)
+    rank0 = [
+        child
+        for child in psutil.Process(launcher.pid).children(recursive=True)
+        if child.environ().get("RANK") == "0" and "harness.cli" in child.cmdline()
+    ]
+    assert len(rank0) == 1, "rank 0 must be running when it is killed"
+    rank0[0].send_signal(signal.SIGKILL)
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 2
+    # A dead rank's progress bar may end without a newline, so each error is read from where it starts.
+    said = re.findall(r"error:.*", stderr)
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr[-3000:]
+    assert said == [
+        "error: rank 0 lost (killed by SIGKILL); its run 'rank0-lost' is recorded failed "
+        "(`--resume` continues it from its last checkpoint)"
+    ], said
+    run = tracking.client(tmp_path).get_run(Run(tmp_path, "rank0-lost").recorded_run_id())
+    assert run.info.status == "FAILED" and run.data.tags[tracking.TAG_STATUS] == "failed"
+    assert run.data.tags[tracking.TAG_STATUS_REASON] == "rank 0 lost (killed by SIGKILL)"
+    assert not list(tmp_path.glob(".rank-failure-*")) and not list(tmp_path.glob(".launched-run-*"))
+    resumed = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=420, cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run = tracking.client(tmp_path).get_run(run.info.run_id)
+    assert run.info.status == "FINISHED" and tracking.TAG_STATUS_REASON not in run.data.tags
+    assert sorted(history(tmp_path, "rank0-lost")["train/loss"]) == list(range(1, STEPS + 1))

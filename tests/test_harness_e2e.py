@@ -350,3 +350,78 @@ def test_sigterm_records_the_run_interrupted_and_resume_continues_it(e2e_workspa
     assert resumed.info.run_id == run.info.run_id and resumed.data.tags[tracking.TAG_STATUS] == "finished"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert steps == sorted(set(steps)) and steps[-1] == 8
+
+
+def _private_tmpfs_works() -> bool:
+    """A tmpfs can be mounted in a private user + mount namespace (no privileges needed where allowed)."""
+    import shutil
+
+    if shutil.which("unshare") is None:
+        return False
+    probe = "d=$(mktemp -d) && mount -t tmpfs -o size=1m tmpfs $d && umount $d && rmdir $d"
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", probe], capture_output=True)
+    return done.returncode == 0
+
+
+def test_a_full_disk_fails_the_run_in_one_line_and_resume_continues_once_space_is_freed(
+    e2e_workspace, e2e_workdir, tmp_path
+):
+    """The work directory on a tmpfs with room for one checkpoint and a half: the second save fills it. The run
+    ends in one line, recorded failed with the reason (SQLite on the same full filesystem can still write it,
+    since the failed temporary is closed and gone), the first checkpoint stays loadable; after the tmpfs grows,
+    `--resume` finishes the run in the same MLflow run without a step logged twice."""
+    import yaml
+
+    from harness.cli import planned_draft
+
+    if not _private_tmpfs_works():
+        pytest.skip("this machine allows no private tmpfs mount (unshare --user --mount)")
+    run_config = e2e_run_config("dflash", max_steps=4, eval_every=2, checkpoint_every=2)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(run_config.to_dict()))
+    parameters = sum(p.numel() for p in planned_draft(run_config, e2e_workdir).parameters())
+    checkpoint_bytes = 12 * parameters  # fp32 weights and AdamW's two moments
+    mount, out = tmp_path / "full", tmp_path / "out"
+    mount.mkdir()
+    out.mkdir()
+    train = f"{sys.executable} -m harness.cli train --config {config} --run-name full --workdir {mount}"
+    links = " && ".join(f"ln -s {e2e_workdir / cache} {mount / cache}" for cache in ("targets", "data", "features"))
+    script = f"""
+        mount -t tmpfs -o size={int(1.5 * checkpoint_bytes) + 16 * 2**20} tmpfs {mount} && {links}
+        {train} > /dev/null 2> {out}/first.err; echo $? > {out}/first.rc
+        cp -a {mount}/. {out}/failed
+        mount -o remount,size={4 * checkpoint_bytes + 64 * 2**20} {mount}
+        {train} --resume > /dev/null 2> {out}/second.err; echo $? > {out}/second.rc
+        cp -a {mount}/. {out}/final
+    """
+    subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script], timeout=900, check=True)
+    first_err = (out / "first.err").read_text()
+    assert (out / "first.rc").read_text().strip() == "2", first_err[-3000:]
+    assert "Traceback" not in first_err
+    last = first_err.strip().splitlines()[-1]
+    assert last.startswith("error: checkpoint ") and "could not be written" in last and "--resume" in last, last
+    failed = out / "failed"
+    client, run = _run(failed, "full")
+    assert run.info.status == "FAILED" and run.data.tags[tracking.TAG_STATUS] == "failed"
+    assert "could not be written" in run.data.tags[tracking.TAG_STATUS_REASON]
+    assert torch.load(failed / "runs" / "full" / "checkpoint.pt", weights_only=False)["step"] == 2
+    assert not list((failed / "runs" / "full").glob("*.tmp*")), "the failed temporary is removed"
+    second_err = (out / "second.err").read_text()
+    assert (out / "second.rc").read_text().strip() == "0", second_err[-3000:]
+    client, resumed = _run(out / "final", "full")
+    assert resumed.info.run_id == run.info.run_id and resumed.info.status == "FINISHED"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
+    assert steps == sorted(set(steps)) and steps[-1] == 4
+
+
+def test_validation_documents_without_anchors_are_refused_before_a_run_starts(e2e_workspace, tmp_path):
+    """All-empty assistant turns leave no anchor to validate on: one clear error, and no run is created."""
+    import dataclasses
+
+    silent = [
+        dataclasses.replace(d, loss_mask=torch.zeros_like(d.loss_mask)) for d in e2e_workspace.validation_documents
+    ]
+    workspace = dataclasses.replace(e2e_workspace, workdir=tmp_path, validation_documents=silent)
+    with pytest.raises(ValueError, match=r"^invalid --data='chitchat': no validation anchors \(no assistant token"):
+        train(e2e_run_config("dflash"), workspace, run_name="no-anchors")
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()

@@ -134,3 +134,34 @@ def test_train_and_data_knobs_reject_nan_and_unknown_keys():
         TrainConfig(learning_rate=float("nan")).validate()
     with pytest.raises(ValueError, match=r"invalid knob train.max_stepz=3: allowed knobs \[.*'max_steps'"):
         RunConfig.from_dict({"algorithm": "dflash", "train": {"max_stepz": 3}})
+
+
+@pytest.mark.parametrize(
+    ("section", "knob", "value", "allowed"),
+    [
+        ("train", "max_steps", True, "an integer"),  # YAML `true` is a bool, never a step count
+        ("train", "max_steps", 4.5, "an integer"),
+        ("train", "seed", "1", "an integer"),
+        ("train", "learning_rate", False, "a number"),
+        ("train", "schedule", 3, "a string"),
+        ("data", "regenerate", 1, "true or false"),
+        ("shared", "target_layer_ids", [1, "x"], "a list of integers or none"),
+        ("shared", "mask_token_id", 1.0, "an integer or none"),
+        ("shared", "loss", {"ce": True}, "a string or a mapping"),
+    ],
+)
+def test_every_knob_value_must_have_its_declared_type(section, knob, value, allowed):
+    from harness.config import RunConfig
+
+    data = RunConfig(AlgorithmConfig.preset("dflash2")).to_dict()
+    data[section][knob] = value
+    with pytest.raises(ValueError, match=f"^invalid knob {knob}=.*: allowed {allowed}$"):
+        RunConfig.from_dict(data).validate()
+
+
+def test_an_integer_is_a_valid_float_knob_and_none_a_valid_optional():
+    from harness.config import RunConfig
+
+    data = RunConfig(AlgorithmConfig.preset("dflash2")).to_dict()
+    data["train"]["learning_rate"], data["shared"]["target_layer_ids"] = 1, None
+    RunConfig.from_dict(data).validate()
