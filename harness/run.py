@@ -204,14 +204,43 @@ class Run:
             yield self
         except KeyboardInterrupt as stop:
             reason = str(stop) if isinstance(stop, Preempted) else "KeyboardInterrupt: stopped by the user"
-            self.end(RunStatus.INTERRUPTED, reason)
+            self.end_or_note(RunStatus.INTERRUPTED, reason, stop)
             raise
         except BaseException as error:
-            self.end(RunStatus.FAILED, f"{type(error).__name__}: {error}")
+            self.end_or_note(RunStatus.FAILED, f"{type(error).__name__}: {error}", error)
             raise
-        finally:
+        else:
             if mlflow.active_run() is not None:
-                self.end(RunStatus.FINISHED)
+                self.end_or_note(RunStatus.FINISHED, None, None)
+
+    def end_or_note(self, status: RunStatus, reason: str | None, error: BaseException | None) -> None:
+        """End the run; when the tracking server no longer answers, write the ending into run.json instead
+        (one bounded wait, not one per call) and stop in one line."""
+        try:
+            if error is None or not tracking.server_lost(error):
+                self.end(status, reason)
+                return
+        except Exception as recording:
+            if not tracking.server_lost(recording):
+                raise
+        self.note_unrecorded(status, reason)
+        raise tracking.TrackingServerLost(
+            f"the MLflow server at {tracking.tracking_uri(self.workdir)} stopped answering; {self.path(RUN_FILE)} "
+            f"records what it could not: {status.value}{f' ({reason})' if reason else ''}; the metrics not sent "
+            "are in the checkpoint, and `train ... --resume` sends them once the server answers"
+        ) from None
+
+    def note_unrecorded(self, status: RunStatus, reason: str | None) -> None:
+        """The ending the store did not get, in the run's own file; the MLflow run is dropped from this
+        process without another call to the server."""
+        from mlflow.tracking import fluent
+
+        record = json.loads(self.path(RUN_FILE).read_text())
+        record["unrecorded"] = {"status": status.value, "reason": reason or ""}
+        atomic_write(self.path(RUN_FILE), lambda tmp: tmp.write_text(json.dumps(record)))
+        stack = fluent._active_run_stack.get()  # MLflow has no public way to forget a run without a call
+        if stack:
+            stack.pop()
 
     def end(self, status: RunStatus, reason: str | None = None) -> None:
         """Record how the run ended; a run that did not finish says so in its description too."""

@@ -46,8 +46,13 @@ class Target:
     def head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
 
-    def identity(self) -> dict[str, str]:
-        return {"target": self.name, "target_hash": self.weights_hash, "target_source": self.source}
+    def identity(self, workdir: Path) -> dict[str, str]:
+        """The target as a run's params record it: a source inside the work directory relative to it, so a
+        copied or moved work directory records the same (immutable) params."""
+        source = Path(self.source)
+        inside = source.is_absolute() and source.is_relative_to(workdir.resolve())
+        recorded = str(source.relative_to(workdir.resolve())) if inside else self.source
+        return {"target": self.name, "target_hash": self.weights_hash, "target_source": recorded}
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:

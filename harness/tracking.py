@@ -7,6 +7,7 @@ Reports read these names from here, so renaming one is a one-line change.
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 import sys
 from enum import StrEnum
@@ -15,6 +16,8 @@ from pathlib import Path
 import mlflow
 
 from algorithms.metrics import ACCEPTED_LENGTHS, SE_SUFFIX
+
+log = logging.getLogger(__name__)
 
 # Metric prefixes. The validation accepted lengths get their own, `accept/`, which sorts first among
 # metrics and forms its own chart section in the MLflow UI: accept/unary, accept/realized, accept/oracle.
@@ -79,7 +82,40 @@ def tracking_uri(workdir: Path) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(workdir / 'mlflow.db').resolve()}"
 
 
+# How long a call waits for a tracking server that stopped answering (each may be set in the environment):
+# 5 retries with backoff 2, 4, 8, 16, 32 s (about a minute) and 30 s per request, then the command stops.
+SERVER_WAITS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "5",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "2",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "30",
+}
+
+
+class TrackingServerLost(ConnectionError):
+    """The tracking server stopped answering mid-command; the run's local state says what it did not get."""
+
+
+def server_lost(error: BaseException) -> bool:
+    """Whether `error` (or one it was raised from) is a tracking server that does not answer."""
+    import requests
+
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, (requests.exceptions.ConnectionError, requests.exceptions.Timeout)):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def bound_server_waits(uri: str) -> None:
+    if is_server(uri):
+        for name, value in SERVER_WAITS.items():
+            os.environ.setdefault(name, value)
+
+
 def client(workdir: Path) -> mlflow.MlflowClient:
+    bound_server_waits(tracking_uri(workdir))
     return mlflow.MlflowClient(tracking_uri(workdir))
 
 
@@ -87,11 +123,14 @@ def configure(workdir: Path, experiment: str = DEFAULT_EXPERIMENT) -> str:
     """Point MLflow at the store and experiment; returns the experiment id."""
     workdir.mkdir(parents=True, exist_ok=True)
     chosen = os.environ.get("MLFLOW_TRACKING_URI")
+    bound_server_waits(tracking_uri(workdir))
     mlflow.set_tracking_uri(tracking_uri(workdir))
     # MLflow also exports the URI to the environment, where it would read as the user's choice of server: a
     # later work directory in this process (or a child process) would then write into this one's store.
     if chosen is None:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
+    if chosen is None:
+        rebase_local_store(workdir)
     existing = mlflow.get_experiment_by_name(experiment)
     if existing is not None:
         return existing.experiment_id
@@ -107,6 +146,28 @@ def configure(workdir: Path, experiment: str = DEFAULT_EXPERIMENT) -> str:
         if existing is None:
             raise
         return existing.experiment_id
+
+
+def rebase_local_store(workdir: Path) -> None:
+    """A copied or moved work directory's SQLite store still names the old directory's artifact root, where
+    new artifacts would land: point its experiments and runs at this directory's `mlartifacts` instead."""
+    import sqlite3
+
+    database, root = workdir / "mlflow.db", (workdir / "mlartifacts").resolve().as_uri()
+    if not database.exists():
+        return
+    with sqlite3.connect(database, timeout=60) as connection:
+        try:
+            locations = [row[0] for row in connection.execute("SELECT DISTINCT artifact_location FROM experiments")]
+        except sqlite3.OperationalError:  # a store MLflow has not created its tables in yet
+            return
+        for old in {loc for loc in locations if loc and loc.endswith("/mlartifacts") and loc != root}:
+            connection.execute("UPDATE experiments SET artifact_location = ? WHERE artifact_location = ?", (root, old))
+            connection.execute(
+                "UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) WHERE artifact_uri LIKE ? || '/%'",
+                (root, len(old) + 1, old),
+            )
+            log.info("work directory copied or moved: artifacts recorded under %s now resolve under %s", old, root)
 
 
 def is_server(uri: str) -> bool:

@@ -453,7 +453,7 @@ class TrainingRecipe:
         self.run.log_params(
             {
                 **self.config.flat_params(),
-                **workspace.target.identity(),
+                **workspace.target.identity(workspace.workdir),
                 "dataset": workspace.data.dataset_id,
                 "dataset_hash": workspace.data.dataset_hash,
                 "mask_token_reason": workspace.target.mask_token_reason,

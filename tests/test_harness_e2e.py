@@ -1,5 +1,6 @@
 """End-to-end checks on the embedded SmolLM2-135M target and real chitchat data."""
 
+import os
 import subprocess
 import sys
 import time
@@ -425,3 +426,63 @@ def test_validation_documents_without_anchors_are_refused_before_a_run_starts(e2
     with pytest.raises(ValueError, match=r"^invalid --data='chitchat': no validation anchors \(no assistant token"):
         train(e2e_run_config("dflash"), workspace, run_name="no-anchors")
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_a_tracking_server_that_dies_for_good_ends_the_run_in_one_line_after_a_bounded_wait(
+    e2e_workspace, e2e_workdir, tmp_path
+):
+    """A real `mlflow server`, SIGKILLed after the run's first checkpoint: the next call retries for the bounded
+    time (shortened here through MLflow's own variables, which dflash-lab only defaults), then `train` stops in
+    one line and run.json records the ending the server never got."""
+    import json
+    import re
+    import signal
+    import socket
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+        + ["--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}"]
+        + ["--artifacts-destination", str(tmp_path / "server-artifacts")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2).close()
+                break
+            except OSError:
+                assert time.time() < deadline and server.poll() is None, "mlflow server did not start"
+                time.sleep(0.5)
+        workdir = tmp_path / "work"
+        for cache in ("targets", "data", "features"):
+            (workdir / cache).parent.mkdir(parents=True, exist_ok=True)
+            (workdir / cache).symlink_to(e2e_workdir / cache)
+        args = _cli_train(workdir, "server-lost", "--max-steps", "8", "--checkpoint-every", "2", "--eval-every", "8")
+        env = {**os.environ, "MLFLOW_TRACKING_URI": url, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2"}
+        process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        checkpoint = workdir / "runs" / "server-lost" / "checkpoint.pt"
+        while not checkpoint.exists() and time.time() < deadline + 300 and process.poll() is None:
+            time.sleep(0.1)
+        os.killpg(server.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = process.communicate(timeout=300)
+        waited = time.monotonic() - killed
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+    assert process.returncode == 2, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    said = re.findall(r"error:.*", stderr)
+    assert len(said) == 1 and said[0].startswith(f"error: the MLflow server at {url} stopped answering"), said
+    assert waited < 120, f"{waited:.0f} s after the server died"  # 2 retries: 2 + 4 s of backoff per call
+    record = json.loads((workdir / "runs" / "server-lost" / "run.json").read_text())
+    assert record["unrecorded"]["status"] == "failed" and "MlflowException" in record["unrecorded"]["reason"]

@@ -84,3 +84,63 @@ def test_metric_keys_put_accepted_lengths_first_and_never_embed_k():
     assert tracking.metric_key("unary_candidate_recall", tracking.VAL_PREFIX) == "val/unary_candidate_recall"
     assert tracking.metric_key("realized_accepted_length", tracking.TRAIN_PREFIX) == "train/realized_accepted_length"
     assert sorted(["val/loss", "train/loss", "best/x", "accept/unary", "eval/y", "system/cpu"])[0] == "accept/unary"
+
+
+def test_a_copied_work_directory_keeps_every_artifact_under_itself(tmp_path, monkeypatch):
+    """The SQLite store records absolute artifact locations; in a copy (or after a move) they would still
+    name the original directory. The copy's store is rebased on first use, the original is left alone."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from harness.run import Run
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    run = Run(original, "moved", experiment="copy-check")
+    with run.active({}):
+        (original / "note.txt").write_text("first")
+        run.log_file(original / "note.txt")
+    shutil.copytree(original, copy)
+    resume = f"""
+from pathlib import Path
+from harness.run import Run
+copy = Path({str(copy)!r})
+resumed = Run(copy, "moved", experiment="copy-check", run_id={run.run_id!r})
+with resumed.active({{}}):
+    (copy / "later.txt").write_text("second")
+    resumed.log_file(copy / "later.txt")
+"""
+    subprocess.run([sys.executable, "-c", resume], check=True, cwd=Path(__file__).parent.parent, timeout=300)
+    stored = tracking.client(copy).get_run(run.run_id)
+    assert stored.info.artifact_uri.startswith((copy / "mlartifacts").resolve().as_uri() + "/")
+    assert sorted(p.name for p in (copy / "mlartifacts").rglob("*.txt")) == ["later.txt", "note.txt"]
+    assert [p.name for p in (original / "mlartifacts").rglob("*.txt")] == ["note.txt"]
+    original_run = tracking.client(original).get_run(run.run_id)
+    assert original_run.info.artifact_uri.startswith((original / "mlartifacts").resolve().as_uri() + "/")
+    mlflow.set_tracking_uri("")
+
+
+def test_a_target_inside_the_work_directory_is_recorded_relative_to_it(tmp_path):
+    """Params are immutable: an absolute path into the work directory would refuse a resume in a copy."""
+    from harness.targets import Target
+
+    def target(source):
+        return Target("smollm2-135m", str(source), "hash", None, None, None, 0, "reason")
+
+    for workdir in (tmp_path / "a", tmp_path / "b"):
+        identity = target((workdir / "targets" / "smollm2-135m").resolve()).identity(workdir)
+        assert identity["target_source"] == "targets/smollm2-135m"
+    assert target("/models/qwen3").identity(tmp_path / "a")["target_source"] == "/models/qwen3"
+    assert target("Qwen/Qwen3-8B").identity(tmp_path / "a")["target_source"] == "Qwen/Qwen3-8B"
+
+
+def test_tracking_server_waits_are_bounded_by_default_and_the_user_may_change_them(monkeypatch, tmp_path):
+    import os
+
+    for name in tracking.SERVER_WAITS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "7")
+    tracking.bound_server_waits("http://127.0.0.1:1")
+    assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "5" and os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "7"
