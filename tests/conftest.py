@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -132,3 +134,46 @@ def trained(e2e_workspace):
         )
         for algorithm in ("dflash2", "dflash")
     }
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def mlflow_server(backend_store_uri: str, *options: str):
+    """A real `mlflow server` on a free local port, in its own process group; yields (url, process)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    server = subprocess.Popen(
+        [*command, "--backend-store-uri", backend_store_uri, *options],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2).close()
+                break
+            except OSError:
+                assert time.time() < deadline and server.poll() is None, "mlflow server did not start"
+                time.sleep(0.5)
+        yield url, server
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)

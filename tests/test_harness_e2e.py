@@ -15,7 +15,7 @@ from harness.data import tokenize_conversation
 from harness.features import CorruptFeatureCache, load_or_build
 from harness.train import NonFiniteLoss, train
 
-from conftest import e2e_run_config
+from conftest import e2e_run_config, mlflow_server
 
 pytestmark = pytest.mark.slow
 
@@ -437,30 +437,10 @@ def test_a_tracking_server_that_dies_for_good_ends_the_run_in_one_line_after_a_b
     import json
     import re
     import signal
-    import socket
-    import urllib.request
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-        + ["--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}"]
-        + ["--artifacts-destination", str(tmp_path / "server-artifacts")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2).close()
-                break
-            except OSError:
-                assert time.time() < deadline and server.poll() is None, "mlflow server did not start"
-                time.sleep(0.5)
+    server_options = ("--artifacts-destination", str(tmp_path / "server-artifacts"))
+    with mlflow_server(f"sqlite:///{tmp_path / 'server.db'}", *server_options) as (url, server):
+        deadline = time.time() + 300
         workdir = tmp_path / "work"
         for cache in ("targets", "data", "features"):
             (workdir / cache).parent.mkdir(parents=True, exist_ok=True)
@@ -469,16 +449,12 @@ def test_a_tracking_server_that_dies_for_good_ends_the_run_in_one_line_after_a_b
         env = {**os.environ, "MLFLOW_TRACKING_URI": url, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2"}
         process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         checkpoint = workdir / "runs" / "server-lost" / "checkpoint.pt"
-        while not checkpoint.exists() and time.time() < deadline + 300 and process.poll() is None:
+        while not checkpoint.exists() and time.time() < deadline and process.poll() is None:
             time.sleep(0.1)
         os.killpg(server.pid, signal.SIGKILL)
         killed = time.monotonic()
         _, stderr = process.communicate(timeout=300)
         waited = time.monotonic() - killed
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-        server.wait(timeout=30)
     assert process.returncode == 2, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     said = re.findall(r"error:.*", stderr)

@@ -5,7 +5,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from scipy import stats
 from harness import tracking
 from reports.render import GENERATED_PREFIX
 from studies.storage import ATTR_INFEASIBLE, ATTR_RUN_ID, ATTR_WORKER, storage_url
+
+from conftest import mlflow_server
 
 pytestmark = pytest.mark.slow
 TINY = Path(__file__).parent / "data" / "tiny_study.yaml"
@@ -503,12 +504,6 @@ def test_two_launches_at_the_same_moment_run_each_baseline_and_config_once(e2e_w
     assert len({tuple(sorted(t.params.items())) for t in complete}) == len(complete) >= 1
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _rest(base: str, endpoint: str, payload: dict | None = None) -> dict:
     request = urllib.request.Request(
         f"{base}/api/2.0/mlflow/{endpoint}",
@@ -522,27 +517,8 @@ def _rest(base: str, endpoint: str, payload: dict | None = None) -> dict:
 @pytest.fixture
 def ui_server(launched, e2e_workdir):
     """`mlflow server` on a free local port over the finished tiny study, as a user would open it."""
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
-        + ["--backend-store-uri", tracking.tracking_uri(e2e_workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.time() + 120
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2).close()
-                break
-            except OSError:
-                assert time.time() < deadline and server.poll() is None, "mlflow server did not start"
-                time.sleep(0.5)
-        yield base
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    with mlflow_server(tracking.tracking_uri(e2e_workdir)) as (url, _):
+        yield url
 
 
 def test_the_runs_table_through_the_mlflow_rest_api(launched, ui_server):
