@@ -6,6 +6,7 @@ a file name, an MLflow status or a status tag of its own.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import mlflow
 import torch
@@ -29,6 +31,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
 RUN_FILE = "run.json"  # the MLflow run id, written when the run starts (before any checkpoint)
+LOCK_FILE = ".lock"  # held (flock) by the one process training the run
 CONFIG_FILE = "config.json"
 PER_POSITION_FILE = "per_position.csv"
 PER_POSITION_FIGURE = "per_position.png"
@@ -39,6 +42,10 @@ EXPORT_DIR = "export"
 LAUNCHED_RUN_ENV = "DFLASH_LAB_LAUNCHED_RUN_FILE"
 # Checkpoints up to this size are also copied into MLflow's artifact store; larger ones are only tagged.
 ARTIFACT_CHECKPOINT_LIMIT = 64 * 2**20
+
+
+class RunInUse(OSError):
+    """Another process is training this run right now."""
 
 
 class CheckpointNotSaved(OSError):
@@ -78,6 +85,25 @@ class Run:
 
     def __post_init__(self) -> None:
         check_run_name(self.name)
+        self._lock: IO | None = None
+
+    def hold(self) -> bool:
+        """Take the run for this process: an exclusive lock on its directory, which the OS releases if the
+        process dies. False when another process holds it."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path(LOCK_FILE), "a")  # noqa: SIM115 (held past this call, closed in release)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            return False
+        self._lock = handle
+        return True
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the descriptor drops the lock
+            self._lock = None
 
     @classmethod
     def locate(cls, run: Path | str, workdir: Path) -> Run:

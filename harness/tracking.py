@@ -114,8 +114,28 @@ def bound_server_waits(uri: str) -> None:
             os.environ.setdefault(name, value)
 
 
+STORE_LOCK = ".mlflow.db.lock"  # serialises the creation (and migration) of the work directory's SQLite store
+_ready_stores: set[str] = set()
+
+
+def ensure_store(workdir: Path) -> None:
+    """Create (or migrate) the work directory's own SQLite store once, under a lock: two processes starting
+    on a fresh work directory would otherwise run MLflow's migrations at the same moment, and one would fail."""
+    uri = tracking_uri(workdir)
+    if "MLFLOW_TRACKING_URI" in os.environ or uri in _ready_stores:
+        return
+    import fcntl
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / STORE_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        mlflow.MlflowClient(uri).search_experiments(max_results=1)
+    _ready_stores.add(uri)
+
+
 def client(workdir: Path) -> mlflow.MlflowClient:
     bound_server_waits(tracking_uri(workdir))
+    ensure_store(workdir)
     return mlflow.MlflowClient(tracking_uri(workdir))
 
 
@@ -124,6 +144,7 @@ def configure(workdir: Path, experiment: str = DEFAULT_EXPERIMENT) -> str:
     workdir.mkdir(parents=True, exist_ok=True)
     chosen = os.environ.get("MLFLOW_TRACKING_URI")
     bound_server_waits(tracking_uri(workdir))
+    ensure_store(workdir)
     mlflow.set_tracking_uri(tracking_uri(workdir))
     # MLflow also exports the URI to the environment, where it would read as the user's choice of server: a
     # later work directory in this process (or a child process) would then write into this one's store.

@@ -37,7 +37,7 @@ from harness.distributed import SINGLE, Ranks, full_state, load_full_state, plai
 from harness.features import FeatureSource, OnlineFeatures, document_rows, fill, load_or_build, packed_rows
 from harness.files import atomic_write, remove_stale_temporaries
 from harness.plots import per_position_figure
-from harness.run import CONFIG_FILE, PER_POSITION_FIGURE, PER_POSITION_FILE, VALIDATION_DOCUMENTS_FILE, Run
+from harness.run import CONFIG_FILE, PER_POSITION_FIGURE, PER_POSITION_FILE, VALIDATION_DOCUMENTS_FILE, Run, RunInUse
 from harness.targets import Target, load_target
 from harness.tracking import RunStatus
 from harness.validation import (
@@ -598,6 +598,30 @@ def train(
             "needs); allowed conversations with longer assistant turns"
         )
     run = Run(workspace.workdir, run_name or default_run_name(config), experiment, system_metrics=system_metrics)
+    held = run.hold() if ranks.is_main else True
+    if not ranks.from_main(held):
+        raise RunInUse(
+            f"run {run.name!r} is being trained by another process right now ({run.directory}); wait for it to "
+            "end, or choose another --run-name"
+        )
+    try:
+        return _train_held(config, workspace, run, resume, device, ranks, tags, parent_run_id, on_validation)
+    finally:
+        run.release()
+
+
+def _train_held(
+    config: RunConfig,
+    workspace: Workspace,
+    run: Run,
+    resume: bool,
+    device: str,
+    ranks: Ranks,
+    tags: dict[str, str] | None,
+    parent_run_id: str | None,
+    on_validation: ValidationHook | None,
+) -> TrainResult:
+    """`train` once this process holds the run."""
     found = (run.exists(), run.has_checkpoint(), resume and run.lost_checkpoint()) if ranks.is_main else None
     started = ranks.from_main(found)
     if started[0] and not resume:

@@ -462,3 +462,21 @@ def test_a_tracking_server_that_dies_for_good_ends_the_run_in_one_line_after_a_b
     assert waited < 120, f"{waited:.0f} s after the server died"  # 2 retries: 2 + 4 s of backoff per call
     record = json.loads((workdir / "runs" / "server-lost" / "run.json").read_text())
     assert record["unrecorded"]["status"] == "failed" and "MlflowException" in record["unrecorded"]["reason"]
+
+
+def test_two_trainings_of_one_run_name_at_the_same_moment_leave_one_run(e2e_workspace, e2e_workdir, tmp_path):
+    """Both start on a fresh work directory; one holds the run (a lock on its directory) and trains it, the
+    other refuses in one line. The store ends with one MLflow run of that name."""
+    import re
+
+    for cache in ("targets", "data", "features"):
+        (tmp_path / cache).symlink_to(e2e_workdir / cache)
+    args = _cli_train(tmp_path, "contested", "--max-steps", "4")
+    processes = [subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in "ab"]
+    outcomes = sorted(((p.wait(timeout=600), p.stderr.read()) for p in processes), key=lambda pair: pair[0])
+    (won, _), (lost, stderr) = outcomes
+    assert (won, lost) == (0, 2), [err[-2000:] for _, err in outcomes]
+    said = re.findall(r"error:.*", stderr)
+    assert len(said) == 1 and "Traceback" not in stderr, stderr[-2000:]
+    assert "is being trained by another process right now" in said[0] or "already holds a run" in said[0], said
+    _run(tmp_path, "contested")  # exactly one MLflow run of that name

@@ -144,3 +144,29 @@ def test_tracking_server_waits_are_bounded_by_default_and_the_user_may_change_th
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "7")
     tracking.bound_server_waits("http://127.0.0.1:1")
     assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "5" and os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "7"
+
+
+def test_processes_starting_together_on_a_fresh_work_directory_create_one_store(tmp_path):
+    """MLflow's migrations run when a SQLite store is first opened; four processes opening a fresh work
+    directory's store at the same moment all succeed (the creation is serialised) and share one experiment."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    workdir = tmp_path / "fresh"
+    code = f"from pathlib import Path; from harness import tracking; print(tracking.configure(Path({str(workdir)!r})))"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MLFLOW_TRACKING_URI"}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=Path(__file__).parent.parent,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    outcomes = [process.communicate(timeout=300) for process in processes]
+    assert [process.returncode for process in processes] == [0, 0, 0, 0], [err[-2000:] for _, err in outcomes]
+    assert len({out.strip() for out, _ in outcomes}) == 1
