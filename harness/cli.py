@@ -171,6 +171,7 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> int | None:
     status. None when this process is already a rank (or N is 1)."""
     from harness.distributed import launched_by_torchrun, run_ranks
     from harness.run import Run
+    from harness.tracking import RunStatus
 
     if args.nproc_per_node < 1:
         raise SystemExit(f"error: invalid --nproc-per-node={args.nproc_per_node}: allowed an integer >= 1")
@@ -181,7 +182,7 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> int | None:
     ended = run_ranks(args.nproc_per_node, "harness.cli", args.argv, args.workdir)
     if ended.lost is None:
         return ended.status
-    if ended.run_directory is not None and Run.at(ended.run_directory).record_lost(ended.lost):
+    if ended.run_directory is not None and Run.at(ended.run_directory).record_ending(RunStatus.FAILED, ended.lost):
         raise SystemExit(
             f"error: {ended.lost}; its run {ended.run_directory.name!r} is recorded failed "
             "(`--resume` continues it from its last checkpoint)"
@@ -418,7 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from harness.preemption import SIGTERM_EXIT, Preempted, exit_quietly_on_sigterm, stop_on_preemption
+    from harness.preemption import (
+        LAUNCHED_RUN_ENV,
+        SIGTERM_EXIT,
+        Preempted,
+        RankStopped,
+        exit_quietly_on_sigterm,
+        stop_on_preemption,
+    )
 
     stop_on_preemption()
     if os.environ.get("RANK", "0") != "0":  # a torchrun rank that owns no run
@@ -441,6 +449,10 @@ def main(argv: list[str] | None = None) -> int:
             return SIGTERM_EXIT
         print("error: interrupted (Ctrl-C); finished work is kept and resumes where it stopped", file=sys.stderr)
         return 130
+    except RankStopped as stop:  # its run is recorded failed; a dflash-lab launcher speaks for the whole job
+        if LAUNCHED_RUN_ENV not in os.environ:
+            print(f"error: {stop}", file=sys.stderr)
+        return SIGTERM_EXIT
     except SystemExit as stop:
         if not isinstance(stop.code, str):
             raise

@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 from harness.files import remove
-from harness.run import LAUNCHED_RUN_ENV
+from harness.preemption import LAUNCHED_RUN_ENV, RankStopped
+from harness.run import Run
+from harness.tracking import RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +33,6 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 # Set for harness.torchrun_launch: where it writes the first failed rank of a job.
 RANK_FAILURE_ENV = "DFLASH_LAB_RANK_FAILURE_FILE"
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-class RankStopped(RuntimeError):
-    """This rank was told to stop: torchrun ends every rank when one of them fails."""
 
 
 @dataclass(frozen=True)
@@ -119,14 +117,32 @@ def run_ranks(
     command = [sys.executable, "-m", "harness.torchrun_launch", "--standalone", f"--nproc-per-node={nproc_per_node}"]
     command += ["-m", module, *args]
     log.info("launching %d ranks: %s", nproc_per_node, " ".join(command))
+    job = subprocess.Popen(command, env=environment, preexec_fn=_die_with_parent)
     try:
-        status = subprocess.run(command, env=environment, check=False, preexec_fn=_die_with_parent).returncode
+        try:
+            status = job.wait()
+        except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM to the launcher: the job stops, recorded as such
+            stop_job(job)
+            if launched.exists():
+                run = Run.at(Path(json.loads(launched.read_text())["directory"]))
+                run.record_ending(RunStatus.INTERRUPTED, str(stop) or type(stop).__name__, unless_ended=False)
+            raise
         lost = json.loads(failure.read_text())["reason"] if failure.exists() else None
         directory = Path(json.loads(launched.read_text())["directory"]) if launched.exists() else None
     finally:
         remove(failure)
         remove(launched)
     return RanksExit(status, lost, directory)
+
+
+def stop_job(job: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGTERM to torchrun, which stops its ranks (rank 0 records its run); SIGKILL after `grace_s`."""
+    job.send_signal(signal.SIGTERM)
+    try:
+        job.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        job.wait()
 
 
 def _die_with_parent() -> None:

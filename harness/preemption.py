@@ -9,6 +9,14 @@ import os
 import signal
 
 SIGTERM_EXIT = 128 + signal.SIGTERM  # the shell's status for a process ended by SIGTERM: 143
+# Set by a torchrun job's launcher (harness.distributed.run_ranks): the file where rank 0 names the run it
+# started, so the launcher can record a run whose rank 0 dies and speak for the whole job.
+LAUNCHED_RUN_ENV = "DFLASH_LAB_LAUNCHED_RUN_FILE"
+
+
+class RankStopped(RuntimeError):
+    """This torchrun rank was told to stop: torchrun ends every rank when one of them fails. A failure, not an
+    interruption: the run is recorded failed."""
 
 
 class Preempted(KeyboardInterrupt):

@@ -24,7 +24,7 @@ import torch
 
 from harness import tracking
 from harness.files import atomic_write
-from harness.preemption import Preempted
+from harness.preemption import LAUNCHED_RUN_ENV, Preempted
 from harness.tracking import RunStatus
 
 log = logging.getLogger(__name__)
@@ -38,8 +38,6 @@ PER_POSITION_FIGURE = "per_position.png"
 VALIDATION_DOCUMENTS_FILE = "validation_documents.csv"  # per-document (sum, total) pairs of the final validation
 EVAL_RECORDS_FILE = "eval_records.json"
 EXPORT_DIR = "export"
-# Set by a torchrun launcher: the file where rank 0 names the run it started (harness.distributed.run_ranks).
-LAUNCHED_RUN_ENV = "DFLASH_LAB_LAUNCHED_RUN_FILE"
 # Checkpoints up to this size are also copied into MLflow's artifact store; larger ones are only tagged.
 ARTIFACT_CHECKPOINT_LIMIT = 64 * 2**20
 
@@ -206,20 +204,20 @@ class Run:
         record = json.loads((directory / RUN_FILE).read_text())
         return cls(directory.parent.parent, record["name"], record["experiment"], record["run_id"])
 
-    def record_lost(self, reason: str) -> bool:
-        """End the MLflow run failed with `reason` if no process recorded its end (its owner was killed);
-        whether it did."""
+    def record_ending(self, status: RunStatus, reason: str, *, unless_ended: bool = True) -> bool:
+        """Record how the run ended from outside the process that trained it (its launcher); with `unless_ended`
+        only if no process recorded an end (rank 0 was killed). Whether it recorded."""
         client = tracking.client(self.workdir)
-        if client.get_run(self.run_id).info.status != RunStatus.RUNNING.mlflow_status:
+        if unless_ended and client.get_run(self.run_id).info.status != RunStatus.RUNNING.mlflow_status:
             return False
         tags = {
-            tracking.TAG_STATUS: RunStatus.FAILED.value,
+            tracking.TAG_STATUS: status.value,
             tracking.TAG_STATUS_REASON: reason,
-            tracking.TAG_NOTE: ended_description(RunStatus.FAILED, reason),
+            tracking.TAG_NOTE: ended_description(status, reason),
         }
         for key, value in tags.items():
             client.set_tag(self.run_id, key, value)
-        client.set_terminated(self.run_id, status=RunStatus.FAILED.mlflow_status)
+        client.set_terminated(self.run_id, status=status.mlflow_status)
         return True
 
     @contextmanager

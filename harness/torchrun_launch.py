@@ -3,6 +3,7 @@
 `run_ranks` starts `python -m harness.torchrun_launch <torchrun args>`; when a rank dies (a signal, a crash)
 torchrun's agent raises ChildFailedError. Here that becomes one JSON record at RANK_FAILURE_ENV's path, which
 the launching `dflash-lab` process reads to record the run failed with the reason, and an exit status of 1.
+A SIGTERM to torchrun itself (a scheduler preempting the whole job) ends it with 128 + the signal, quietly too.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import signal
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main
 
@@ -50,3 +52,5 @@ if __name__ == "__main__":
             with open(os.environ[RANK_FAILURE_ENV], "w") as out:
                 json.dump(record, out)
         sys.exit(1)
+    except SignalException as stop:  # SIGTERM to the whole job (a scheduler's preemption): the ranks are stopped
+        sys.exit(128 + stop.sigval)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+from mlflow.entities import ViewType
 from mlflow.exceptions import MlflowException
 
 from algorithms import ALGORITHMS
@@ -31,6 +32,7 @@ class StudyRecord:
     runs: pd.DataFrame  # one row per child run; `config` groups the seeds of one trial or baseline
     documents: dict[str, pd.DataFrame] = field(default_factory=dict)  # run id -> per-document validation pairs
     curves: dict[str, pd.DataFrame] = field(default_factory=dict)  # run id -> learning curve (step, metric, se)
+    deleted: list[dict] = field(default_factory=list)  # child runs deleted in MLflow: run_id, run_name, label
 
 
 def collect(study: str, workdir: Path) -> StudyRecord:
@@ -42,9 +44,15 @@ def collect(study: str, workdir: Path) -> StudyRecord:
             "launch the study first"
         )
     runs = client.search_runs([experiment.experiment_id], max_results=50000)
+    deleted = client.search_runs([experiment.experiment_id], run_view_type=ViewType.DELETED_ONLY, max_results=50000)
     parents = [r for r in runs if r.data.tags.get(tracking.TAG_ROLE) == tracking.ROLE_STUDY]
     if not parents:
-        raise LookupError(f"experiment {study!r} has no study parent run")
+        gone = any(r.data.tags.get(tracking.TAG_ROLE) == tracking.ROLE_STUDY for r in deleted)
+        raise LookupError(
+            f"study {study!r}: its MLflow parent run was deleted; restore it (`mlflow runs restore --run-id ID`)"
+            if gone
+            else f"experiment {study!r} has no study parent run"
+        )
     parent = parents[0]
     rows = []
     for run in runs:
@@ -101,7 +109,19 @@ def collect(study: str, workdir: Path) -> StudyRecord:
         frame,
         validation_documents(client, frame),
         learning_curves(client, frame),
+        [
+            {"run_id": r.info.run_id, "run_name": r.info.run_name, "label": child_label(r.data.tags)}
+            for r in sorted(deleted, key=lambda r: r.info.run_name)
+            if r.data.tags.get(tracking.TAG_ROLE) in (tracking.ROLE_TRIAL, tracking.ROLE_BASELINE)
+        ],
     )
+
+
+def child_label(tags: dict[str, str]) -> str:
+    """`baseline dflash` or `trial 3`: how the report names a child run's configuration."""
+    if tags.get(tracking.TAG_ROLE) == tracking.ROLE_BASELINE:
+        return f"baseline {tags.get(tracking.TAG_BASELINE, '')}"
+    return f"trial {tags.get(tracking.TAG_TRIAL, '')}"
 
 
 def validation_documents(client, runs: pd.DataFrame) -> dict[str, pd.DataFrame]:

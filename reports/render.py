@@ -502,6 +502,25 @@ def _resolved_gain(config: Configuration) -> bool:
     return gain.excludes_zero and gain.value > 0
 
 
+def deleted_runs(record: StudyRecord) -> str | None:
+    """The child runs deleted in MLflow: named, and left out of every table, fit and ranking."""
+    if not record.deleted:
+        return None
+    best_run = record.parent["tags"].get(tracking.TAG_BEST_RUN_ID, "")
+    lines = [
+        "## Deleted runs",
+        "",
+        f"{len(record.deleted)} child run(s) were deleted in MLflow; every table, fit and ranking above uses only "
+        "the runs that exist (`mlflow runs restore --run-id ID`, then rebuild the report, brings one back):",
+        "",
+        *(f"- `{r['run_name']}` ({r['label']}, run id `{r['run_id']}`)" for r in record.deleted),
+    ]
+    if any(r["run_id"] == best_run for r in record.deleted):
+        best = record.parent["tags"].get(tracking.TAG_BEST_TRIAL, "")
+        lines += ["", f"Optuna's best ({best}) is among them: the leaderboard's first row is the best that exists."]
+    return "\n".join(lines)
+
+
 def problems(record: StudyRecord) -> str:
     runs = record.runs
     bad = runs[runs["status"] != RunStatus.FINISHED] if not runs.empty else runs
@@ -682,6 +701,7 @@ def render(record: StudyRecord, out_dir: Path, on_figure: FigureHook | None = No
         per_position(configs, "per_position.png" if "per_position.png" in written else None),
         verdicts(configs, resolved, designed_lines, budget),
         problems(record),
+        *filter(None, [deleted_runs(record)]),
     ]
     return "\n\n".join(sections) + "\n"
 

@@ -496,7 +496,20 @@ def ensure_parent_run(definition: StudyDefinition, study: optuna.Study, workdir:
         if time.time() > deadline:
             raise RuntimeError(f"study {definition.name!r}: no launcher created its MLflow parent run")
         time.sleep(CLAIM_POLL_S / 4)
-    return study.user_attrs[ATTR_PARENT_RUN]
+    parent = study.user_attrs[ATTR_PARENT_RUN]
+    try:
+        stage = tracking.client(workdir).get_run(parent).info.lifecycle_stage
+    except mlflow.exceptions.MlflowException:
+        stage = "gone"
+    if stage != "active":
+        fix = "launch under another study name"
+        if stage == "deleted":
+            fix = f"restore it (`mlflow runs restore --run-id {parent}`) or {fix}"
+        raise LookupError(
+            f"study {definition.name!r}: its MLflow parent run {parent} was deleted"
+            f"{'' if stage == 'deleted' else ' for good'}, and its trials' runs nest under it; {fix}"
+        )
+    return parent
 
 
 def _create_parent_run(definition: StudyDefinition, workdir: Path, experiment_id: str) -> str:

@@ -19,6 +19,7 @@ from harness.config import RunConfig
 from harness.distributed import joined, run_ranks
 from harness.files import atomic_write, remove
 from harness.run import Run
+from harness.tracking import RunStatus
 from harness.train import TrainResult, prepare_workspace, train
 from studies.storage import make_storage, pruning_hook
 
@@ -61,7 +62,7 @@ class RunJob:
         try:
             ended = run_ranks(nproc_per_node, "studies.torchrun_job", [str(job_file)], Path(self.workdir))
             if ended.lost is not None and ended.run_directory is not None:
-                Run.at(ended.run_directory).record_lost(ended.lost)  # rank 0 died before it could
+                Run.at(ended.run_directory).record_ending(RunStatus.FAILED, ended.lost)  # rank 0 died before it could
             result = result_file(job_file)
             if ended.status != 0 or not result.exists():
                 raise RuntimeError(

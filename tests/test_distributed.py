@@ -220,10 +220,11 @@ def test_a_study_runs_each_trial_as_a_torchrun_job(e2e_workspace, e2e_workdir, t
     assert not list(e2e_workdir.glob(".torchrun-job-*")), "job files are removed"
 
 
-def test_a_killed_rank_0_is_recorded_by_the_launcher_in_one_line(shared, tmp_path):
-    """SIGKILL to rank 0 of `train --nproc-per-node 2`: rank 0 cannot record anything, so the launching
-    `dflash-lab` process records the run failed with the lost rank as the reason and says so in one line;
-    `--resume` then finishes the same MLflow run."""
+def test_the_launcher_records_a_preempted_job_interrupted_and_a_killed_rank_0_failed(shared, tmp_path):
+    """`train --nproc-per-node 2` as real processes with real signals, in one run: SIGTERM to the launcher stops
+    the job (exit 143, one line, the run `interrupted`); the resumed job loses rank 0 to SIGKILL, which rank 0
+    cannot record, so the launcher records `failed: rank 0 lost` in one line; the second resume finishes the
+    same MLflow run with every step logged once."""
     import signal
 
     import psutil
@@ -235,33 +236,51 @@ def test_a_killed_rank_0_is_recorded_by_the_launcher_in_one_line(shared, tmp_pat
         str(Path(sys.executable).parent / "dflash-lab"),
         *train_args(config, "rank0-lost", "--nproc-per-node", "2", "--workdir", str(tmp_path)),
     ]
-    launcher = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     checkpoint = runs_root(tmp_path) / "rank0-lost" / "checkpoint.pt"
-    deadline = time.time() + 300
-    while not checkpoint.exists() and time.time() < deadline and launcher.poll() is None:
-        time.sleep(0.1)
-    rank0 = [
-        child
-        for child in psutil.Process(launcher.pid).children(recursive=True)
-        if child.environ().get("RANK") == "0" and "harness.cli" in child.cmdline()
-    ]
-    assert len(rank0) == 1, "rank 0 must be running when it is killed"
-    rank0[0].send_signal(signal.SIGKILL)
-    _, stderr = launcher.communicate(timeout=120)
-    assert launcher.returncode == 2
+
+    def launch_then(signal_target, *more: str) -> tuple[int, str, int]:
+        """Launch, wait for a checkpoint newer than the last one, signal; (exit status, stderr, its step)."""
+        seen = checkpoint.stat().st_mtime if checkpoint.exists() else 0.0
+        launcher = subprocess.Popen([*args, *more], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while time.time() < deadline and launcher.poll() is None:
+            if checkpoint.exists() and checkpoint.stat().st_mtime > seen:
+                break
+            time.sleep(0.1)
+        signal_target(launcher)
+        _, stderr = launcher.communicate(timeout=180)
+        assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr[-3000:]
+        return launcher.returncode, stderr, json.loads((runs_root(tmp_path) / "rank0-lost" / RUN_FILE).read_text())
+
+    def rank0(launcher):
+        ranks = [
+            child
+            for child in psutil.Process(launcher.pid).children(recursive=True)
+            if child.environ().get("RANK") == "0" and "harness.cli" in child.cmdline()
+        ]
+        assert len(ranks) == 1, "rank 0 must be running when it is killed"
+        ranks[0].send_signal(signal.SIGKILL)
+
+    status, stderr, record = launch_then(lambda launcher: launcher.send_signal(signal.SIGTERM))
     # A dead rank's progress bar may end without a newline, so each error is read from where it starts.
-    said = re.findall(r"error:.*", stderr)
-    assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr[-3000:]
-    assert said == [
+    assert status == 143 and re.findall(r"error:.*", stderr)[-1].startswith("error: terminated (SIGTERM)"), stderr
+    run = tracking.client(tmp_path).get_run(record["run_id"])
+    assert (
+        run.data.tags[tracking.TAG_STATUS] == "interrupted" and "SIGTERM" in run.data.tags[tracking.TAG_STATUS_REASON]
+    )
+
+    status, stderr, record = launch_then(rank0, "--resume")
+    assert status == 2 and re.findall(r"error:.*", stderr) == [
         "error: rank 0 lost (killed by SIGKILL); its run 'rank0-lost' is recorded failed "
         "(`--resume` continues it from its last checkpoint)"
-    ], said
-    run = tracking.client(tmp_path).get_run(Run(tmp_path, "rank0-lost").recorded_run_id())
+    ], stderr[-3000:]
+    run = tracking.client(tmp_path).get_run(record["run_id"])
     assert run.info.status == "FAILED" and run.data.tags[tracking.TAG_STATUS] == "failed"
     assert run.data.tags[tracking.TAG_STATUS_REASON] == "rank 0 lost (killed by SIGKILL)"
     assert not list(tmp_path.glob(".rank-failure-*")) and not list(tmp_path.glob(".launched-run-*"))
+
     resumed = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=420, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    run = tracking.client(tmp_path).get_run(run.info.run_id)
+    run = tracking.client(tmp_path).get_run(record["run_id"])
     assert run.info.status == "FINISHED" and tracking.TAG_STATUS_REASON not in run.data.tags
     assert sorted(history(tmp_path, "rank0-lost")["train/loss"]) == list(range(1, STEPS + 1))

@@ -672,3 +672,38 @@ def test_sigterm_to_a_study_records_the_trial_interrupted_and_a_relaunch_resumes
     assert next(r for r in runs if r.info.run_name == "preempted-trial-0").info.run_id == run.info.run_id
     parent = client.search_runs([experiment], "tags.`dflash_lab.role` = 'study'")[0].info.run_id
     assert len(client.get_metric_history(parent, "best/realized_accepted_length")) == 1
+
+
+def test_deleted_runs_are_named_in_the_report_and_a_deleted_parent_refuses_a_relaunch(launched, e2e_workdir, tmp_path):
+    """In a copy of the tiny study's stores: the best trial's run deleted in MLflow is named in the report and
+    ranked nowhere; with the parent run deleted too, a relaunch and a report each refuse in one line."""
+    from reports.collect import collect
+    from reports.render import render
+
+    workdir = tmp_path / "copy"
+    workdir.mkdir()
+    for store in ("mlflow.db", "optuna.db"):
+        shutil.copy(e2e_workdir / store, workdir / store)
+    for cache in ("targets", "data", "features"):
+        (workdir / cache).symlink_to(e2e_workdir / cache)
+    client = tracking.client(workdir)
+    record = collect("tiny", workdir)
+    best = record.parent["tags"][tracking.TAG_BEST_RUN_ID]
+    best_name = client.get_run(best).info.run_name
+    client.delete_run(best)
+    record = collect("tiny", workdir)
+    assert best not in set(record.runs["run_id"]) and [r["run_id"] for r in record.deleted] == [best]
+    markdown = render(record, tmp_path / "report")
+    deleted = markdown.split("## Deleted runs", 1)[1]
+    assert f"`{best_name}`" in deleted and "Optuna's best" in deleted
+    assert f"`{best_name}`" not in markdown.split("## Deleted runs", 1)[0]
+    client.delete_run(record.parent["run_id"])
+    for command in (["study", "launch", str(TINY)], ["report", "tiny"]):
+        done = subprocess.run(
+            [*CLI, *command, "--workdir", str(workdir)], capture_output=True, text=True, timeout=600, cwd=tmp_path
+        )
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert (
+            "its MLflow parent run" in lines[-1] and "was deleted" in lines[-1] and "mlflow runs restore" in lines[-1]
+        )
