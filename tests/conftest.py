@@ -86,6 +86,25 @@ def anchors_for(row: PackedRow, block_size: int = 4, max_anchors: int = 8, seed:
 
 # ---- the embedded real target (slow tests) --------------------------------------------------------
 
+E2E_CACHES = ("targets", "data", "features")  # what a work directory shares with another on the same inputs
+
+
+def link_caches(workdir, source) -> None:
+    """Give `workdir` the converted target, data and feature caches of `source`, as links."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    for cache in E2E_CACHES:
+        if not (workdir / cache).exists():
+            (workdir / cache).symlink_to(source / cache)
+
+
+def pytest_configure(config):
+    """Each pytest-xdist worker (CI runs two on two cores) computes on one thread, as do the commands it starts."""
+    import os
+
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
 
 def e2e_run_config(algorithm: str = "dflash2", **train_overrides):
     """The small preset, shrunk further so end-to-end tests fit CI; real target, real data."""
@@ -115,9 +134,21 @@ def e2e_workdir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def e2e_workspace(e2e_workdir):
+def e2e_workspace(e2e_workdir, tmp_path_factory):
+    """The target, data and features of e2e_run_config. Under pytest-xdist the caches are built once, by the
+    first worker to get here (the others wait on a lock), and linked into every worker's work directory."""
+    import fcntl
+    import os
+
     from harness.train import prepare_workspace
 
+    if os.environ.get("PYTEST_XDIST_WORKER") and not os.environ.get("DFLASH_LAB_TEST_WORKDIR"):
+        shared = tmp_path_factory.getbasetemp().parent / "e2e-caches"
+        shared.mkdir(exist_ok=True)
+        with open(shared / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            prepare_workspace(e2e_run_config(), shared)
+        link_caches(e2e_workdir, shared)
     return prepare_workspace(e2e_run_config(), e2e_workdir)
 
 

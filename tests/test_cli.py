@@ -309,21 +309,34 @@ def test_bad_input_ends_in_one_error_line_exit_2_and_leaves_the_workdir_alone(
 
 
 def test_ctrl_c_ends_with_one_line_and_exit_130(tmp_path):
+    """Ctrl-C once `prepare` is converting the target (a phase it always reaches on a fresh work directory)."""
     import signal
-    import time
+    import threading
 
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     process = subprocess.Popen(
         [*CLI, "prepare", "--workdir", str(tmp_path / "work")],
         cwd=ROOT,
         env=env,
-        stdout=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
-    time.sleep(6)  # past start-up, inside the target conversion or data regeneration
+    lines, converting = [], threading.Event()
+
+    def read() -> None:
+        for line in process.stderr:
+            lines.append(line)
+            if "converting" in line:
+                converting.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert converting.wait(timeout=300), "".join(lines)[-2000:]
     process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=120)
+    process.wait(timeout=300)  # a library call in flight (the conversion's loaders) finishes first
+    reader.join(timeout=30)
+    stderr = "".join(lines)
     assert process.returncode == 130, stderr[-2000:]
     assert stderr.strip().splitlines()[-1].startswith("error: interrupted (Ctrl-C)") and "Traceback" not in stderr
     leftovers = [p.name for p in (tmp_path / "work").rglob("*") if ".tmp" in p.name]

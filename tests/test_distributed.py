@@ -19,9 +19,10 @@ from harness.config import RunConfig
 from harness.run import RUN_FILE, Run, runs_root
 from harness.train import prepare_workspace, train
 
-from conftest import e2e_run_config
+from conftest import e2e_run_config, link_caches
 
-pytestmark = pytest.mark.slow
+# One pytest-xdist worker runs every test of this group (they share session fixtures).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distributed")]
 
 ROOT = Path(__file__).parent.parent
 HELPER = ROOT / "tests" / "helpers" / "patched_cli.py"
@@ -47,8 +48,7 @@ def train_args(config: Path, name: str, *more: str) -> list[str]:
 def shared(e2e_workspace, e2e_workdir, tmp_path_factory):
     """A work directory reusing the session's target, data and feature cache, and the fp32 DFlash2 config."""
     workdir = tmp_path_factory.mktemp("distributed")
-    for cache in ("targets", "data", "features"):
-        (workdir / cache).symlink_to(e2e_workdir / cache)
+    link_caches(workdir, e2e_workdir)
     config = workdir / "config.yaml"
     run_config = e2e_run_config("dflash2", max_steps=STEPS, eval_every=5, checkpoint_every=3, precision="fp32")
     config.write_text(yaml.safe_dump(run_config.to_dict()))
@@ -82,8 +82,7 @@ def one_rank(shared, e2e_workspace):
 
 def test_two_ranks_train_like_one_in_one_run(shared, one_rank, tmp_path):
     workdir, config = shared
-    for cache in ("targets", "data", "features"):
-        (tmp_path / cache).symlink_to(workdir / cache)
+    link_caches(tmp_path, workdir)
     command = [sys.executable, "-m", "harness.cli", *train_args(config, "two-ranks"), "--workdir", str(tmp_path)]
     done = subprocess.run([*command, "--nproc-per-node", "2"], capture_output=True, text=True, timeout=420, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]  # the CLI relaunched itself under torchrun
@@ -133,8 +132,7 @@ def test_resume_across_world_sizes_continues_the_same_run(shared, one_rank):
 def test_a_lost_rank_fails_the_run_with_a_recorded_reason(shared, tmp_path, kind):
     """A rank that raises, or one that stops answering (the collective timeout, 20 s here, ends the wait)."""
     workdir, config = shared
-    for cache in ("targets", "data", "features"):
-        (tmp_path / cache).symlink_to(workdir / cache)
+    link_caches(tmp_path, workdir)
     started = time.monotonic()
     done = dflash_lab(
         tmp_path,
@@ -230,8 +228,7 @@ def test_the_launcher_records_a_preempted_job_interrupted_and_a_killed_rank_0_fa
     import psutil
 
     workdir, config = shared
-    for cache in ("targets", "data", "features"):
-        (tmp_path / cache).symlink_to(workdir / cache)
+    link_caches(tmp_path, workdir)
     args = [
         str(Path(sys.executable).parent / "dflash-lab"),
         *train_args(config, "rank0-lost", "--nproc-per-node", "2", "--workdir", str(tmp_path)),

@@ -1,6 +1,7 @@
 """End-to-end checks on the embedded SmolLM2-135M target and real chitchat data."""
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,9 +16,10 @@ from harness.data import tokenize_conversation
 from harness.features import CorruptFeatureCache, load_or_build
 from harness.train import NonFiniteLoss, train
 
-from conftest import e2e_run_config, mlflow_server
+from conftest import e2e_run_config, link_caches, mlflow_server
 
-pytestmark = pytest.mark.slow
+# One pytest-xdist worker runs every test of this group (they share session fixtures).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trained")]
 
 
 def test_embedded_target_is_real(e2e_workspace):
@@ -65,7 +67,7 @@ def test_loss_mask_covers_assistant_tokens_only(e2e_workspace):
         assert 0 < sum(document.loss_mask) < len(document.input_ids)
 
 
-def test_feature_cache_hit_runs_no_target_and_corruption_is_detected(e2e_workspace, e2e_workdir):
+def test_feature_cache_hit_runs_no_target_and_corruption_is_detected(e2e_workspace, e2e_workdir, tmp_path):
     ws = e2e_workspace
     layer_ids = ws.features.layer_ids
     documents = ws.data.validation + ws.data.train
@@ -78,22 +80,21 @@ def test_feature_cache_hit_runs_no_target_and_corruption_is_detected(e2e_workspa
     features, final = cache.document(0)
     assert features.shape == (len(documents[0].input_ids), len(layer_ids) * 576) and final.shape[1] == 576
 
-    shard = cache.directory / cache.manifest["shards"][0]["file"]
-    original = shard.read_bytes()
-    try:
-        shard.write_bytes(original[:-100] + bytes(100))
-        with pytest.raises(CorruptFeatureCache, match="corrupt"):
-            load_or_build(
-                ws.target,
-                documents,
-                ws.data.dataset_hash,
-                layer_ids,
-                ws.data.config.max_length,
-                e2e_workdir,
-                on_corrupt="error",
-            )
-    finally:
-        shard.write_bytes(original)
+    # Corrupt a copy: other tests (and another pytest-xdist worker) read the shared cache meanwhile.
+    copy = tmp_path / "features" / cache.directory.name
+    shutil.copytree(cache.directory, copy)
+    shard = copy / cache.manifest["shards"][0]["file"]
+    shard.write_bytes(shard.read_bytes()[:-100] + bytes(100))
+    with pytest.raises(CorruptFeatureCache, match="corrupt"):
+        load_or_build(
+            ws.target,
+            documents,
+            ws.data.dataset_hash,
+            layer_ids,
+            ws.data.config.max_length,
+            tmp_path,
+            on_corrupt="error",
+        )
 
 
 def _run(workdir, name):
@@ -442,9 +443,7 @@ def test_a_tracking_server_that_dies_for_good_ends_the_run_in_one_line_after_a_b
     with mlflow_server(f"sqlite:///{tmp_path / 'server.db'}", *server_options) as (url, server):
         deadline = time.time() + 300
         workdir = tmp_path / "work"
-        for cache in ("targets", "data", "features"):
-            (workdir / cache).parent.mkdir(parents=True, exist_ok=True)
-            (workdir / cache).symlink_to(e2e_workdir / cache)
+        link_caches(workdir, e2e_workdir)
         args = _cli_train(workdir, "server-lost", "--max-steps", "8", "--checkpoint-every", "2", "--eval-every", "8")
         env = {**os.environ, "MLFLOW_TRACKING_URI": url, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2"}
         process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
@@ -469,8 +468,7 @@ def test_two_trainings_of_one_run_name_at_the_same_moment_leave_one_run(e2e_work
     other refuses in one line. The store ends with one MLflow run of that name."""
     import re
 
-    for cache in ("targets", "data", "features"):
-        (tmp_path / cache).symlink_to(e2e_workdir / cache)
+    link_caches(tmp_path, e2e_workdir)
     args = _cli_train(tmp_path, "contested", "--max-steps", "4")
     processes = [subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in "ab"]
     outcomes = sorted(((p.wait(timeout=600), p.stderr.read()) for p in processes), key=lambda pair: pair[0])

@@ -21,9 +21,10 @@ from harness import tracking
 from reports.render import GENERATED_PREFIX
 from studies.storage import ATTR_INFEASIBLE, ATTR_RUN_ID, ATTR_WORKER, storage_url
 
-from conftest import mlflow_server
+from conftest import link_caches, mlflow_server
 
-pytestmark = pytest.mark.slow
+# One pytest-xdist worker runs every test of this group (they share session fixtures).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("studies")]
 TINY = Path(__file__).parent / "data" / "tiny_study.yaml"
 CLI = [sys.executable, "-m", "harness.cli"]
 
@@ -684,8 +685,7 @@ def test_deleted_runs_are_named_in_the_report_and_a_deleted_parent_refuses_a_rel
     workdir.mkdir()
     for store in ("mlflow.db", "optuna.db"):
         shutil.copy(e2e_workdir / store, workdir / store)
-    for cache in ("targets", "data", "features"):
-        (workdir / cache).symlink_to(e2e_workdir / cache)
+    link_caches(workdir, e2e_workdir)
     client = tracking.client(workdir)
     record = collect("tiny", workdir)
     best = record.parent["tags"][tracking.TAG_BEST_RUN_ID]
