@@ -309,7 +309,7 @@ def test_bad_input_ends_in_one_error_line_exit_2_and_leaves_the_workdir_alone(
 
 
 def test_ctrl_c_ends_with_one_line_and_exit_130(tmp_path):
-    """Ctrl-C once `prepare` is converting the target (a phase it always reaches on a fresh work directory)."""
+    """Ctrl-C while `prepare` regenerates the data (a Python loop, so the interrupt lands within a batch)."""
     import signal
     import threading
 
@@ -322,21 +322,26 @@ def test_ctrl_c_ends_with_one_line_and_exit_130(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
-    lines, converting = [], threading.Event()
+    chunks, regenerating = [], threading.Event()
 
     def read() -> None:
-        for line in process.stderr:
-            lines.append(line)
-            if "converting" in line:
-                converting.set()
+        while chunk := process.stderr.read(256):
+            chunks.append(chunk)
+            if "regenerating responses" in "".join(chunks[-2:]):
+                regenerating.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    assert converting.wait(timeout=300), "".join(lines)[-2000:]
-    process.send_signal(signal.SIGINT)
-    process.wait(timeout=300)  # a library call in flight (the conversion's loaders) finishes first
+    try:
+        assert regenerating.wait(timeout=600), "".join(chunks)[-2000:]
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
     reader.join(timeout=30)
-    stderr = "".join(lines)
+    stderr = "".join(chunks)
     assert process.returncode == 130, stderr[-2000:]
     assert stderr.strip().splitlines()[-1].startswith("error: interrupted (Ctrl-C)") and "Traceback" not in stderr
     leftovers = [p.name for p in (tmp_path / "work").rglob("*") if ".tmp" in p.name]

@@ -15,8 +15,7 @@ from harness import tracking
 from harness.decode import speculative_generate, target_greedy
 from harness.evaluate import mtbench_questions, prompt_ids
 
-# One pytest-xdist worker runs every test of this group (they share session fixtures).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trained")]
+pytestmark = pytest.mark.slow
 # 4 prompts x 64 tokens reach well over a hundred verify cycles and accepted drafts per algorithm in CI; the
 # full 20 x 128 check (10 minutes on the 2-core machine) runs with DFLASH_LAB_FULL_LOSSLESS=1.
 NUM_PROMPTS, MAX_NEW_TOKENS = (20, 128) if os.environ.get("DFLASH_LAB_FULL_LOSSLESS") else (4, 64)
@@ -29,6 +28,26 @@ def mtbench_references(e2e_workspace):
     stop = {tokenizer.eos_token_id}
     prompts = [prompt_ids(tokenizer, q) for q in mtbench_questions(NUM_PROMPTS)]
     return prompts, target_greedy(e2e_workspace.target.model, tokenizer, prompts, MAX_NEW_TOKENS, stop)
+
+
+@pytest.mark.parametrize("algorithm", ["dflash2", "dflash"])
+def test_training_raises_validation_acceptance_above_untrained(trained, algorithm):
+    """60 steps lift realized acceptance above the untrained value by more than the final validation's noise.
+
+    Measured on every anchor of the 8 validation documents (233): dflash2 1.000 -> 1.451 [1.08, 1.82], dflash
+    1.000 -> 1.030 [1.012, 1.048]; both intervals exclude the untrained 1.0. On the 32-anchor subset the same
+    dflash draft read 1.094: the kind of noise the full set and its interval make visible.
+    """
+    from scipy import stats
+
+    result = trained[algorithm]
+    untrained, final = result.history[0], result.history[-1]
+    assert untrained["step"] == 0 and final["step"] == 60
+    assert untrained["realized_accepted_length"] == pytest.approx(1.0, abs=0.05)
+    half = stats.t.ppf(0.975, final["num_documents"] - 1) * final["realized_accepted_length_se"]
+    assert final["realized_accepted_length"] - half > untrained["realized_accepted_length"]
+    assert final["oracle_accepted_length"] >= final["realized_accepted_length"]
+    assert final["loss"] < untrained["loss"] / 2
 
 
 @pytest.mark.parametrize("algorithm", ["dflash2", "dflash"])

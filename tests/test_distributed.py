@@ -21,8 +21,7 @@ from harness.train import prepare_workspace, train
 
 from conftest import e2e_run_config, link_caches
 
-# One pytest-xdist worker runs every test of this group (they share session fixtures).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distributed")]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).parent.parent
 HELPER = ROOT / "tests" / "helpers" / "patched_cli.py"

@@ -22,7 +22,6 @@ def test_the_script_documents_itself():
 
 @pytest.mark.slow
 @pytest.mark.peer
-@pytest.mark.xdist_group("gpu-check")
 def test_the_dry_run_passes_every_step(e2e_workspace, e2e_workdir):
     """Every step of the GPU check, on the CPU, on the end-to-end tests' cache."""
     pytest.importorskip("dflash.model", reason="dflash==0.1.0 is not installed (.ci/run installs it)")

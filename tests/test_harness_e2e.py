@@ -18,8 +18,7 @@ from harness.train import NonFiniteLoss, train
 
 from conftest import e2e_run_config, link_caches, mlflow_server
 
-# One pytest-xdist worker runs every test of this group (they share session fixtures).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("trained")]
+pytestmark = pytest.mark.slow
 
 
 def test_embedded_target_is_real(e2e_workspace):
@@ -244,26 +243,6 @@ def test_resume_after_kill_continues_the_same_run(e2e_workspace, e2e_workdir):
         "invalid --resume of 'resume-check': train.max_steps=9, but its checkpoint was trained with 8"
         in (changed.stderr.strip().splitlines()[-1])
     )
-
-
-@pytest.mark.parametrize("algorithm", ["dflash2", "dflash"])
-def test_training_raises_validation_acceptance_above_untrained(trained, algorithm):
-    """60 steps lift realized acceptance above the untrained value by more than the final validation's noise.
-
-    Measured on every anchor of the 8 validation documents (233): dflash2 1.000 -> 1.451 [1.08, 1.82], dflash
-    1.000 -> 1.030 [1.012, 1.048]; both intervals exclude the untrained 1.0. On the 32-anchor subset the same
-    dflash draft read 1.094: the kind of noise the full set and its interval make visible.
-    """
-    from scipy import stats
-
-    result = trained[algorithm]
-    untrained, final = result.history[0], result.history[-1]
-    assert untrained["step"] == 0 and final["step"] == 60
-    assert untrained["realized_accepted_length"] == pytest.approx(1.0, abs=0.05)
-    half = stats.t.ppf(0.975, final["num_documents"] - 1) * final["realized_accepted_length_se"]
-    assert final["realized_accepted_length"] - half > untrained["realized_accepted_length"]
-    assert final["oracle_accepted_length"] >= final["realized_accepted_length"]
-    assert final["loss"] < untrained["loss"] / 2
 
 
 def test_a_run_killed_before_its_first_checkpoint_resumes_in_the_same_mlflow_run(e2e_workspace, e2e_workdir):

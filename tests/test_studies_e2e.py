@@ -23,8 +23,7 @@ from studies.storage import ATTR_INFEASIBLE, ATTR_RUN_ID, ATTR_WORKER, storage_u
 
 from conftest import link_caches, mlflow_server
 
-# One pytest-xdist worker runs every test of this group (they share session fixtures).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("studies")]
+pytestmark = pytest.mark.slow
 TINY = Path(__file__).parent / "data" / "tiny_study.yaml"
 CLI = [sys.executable, "-m", "harness.cli"]
 
