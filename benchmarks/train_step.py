@@ -493,7 +493,7 @@ def scaling(
         output = Path(os.environ.get("TMPDIR", "/tmp")) / f"scaling-{os.getpid()}-{ranks}.json"
         args = ["--rank-throughput", "--sizes", size_name, "--algorithms", algorithm, "--device", device]
         args += ["--precisions", precision, "--steps", str(steps), "--warmup", str(warmup)]
-        if run_ranks(ranks, "benchmarks.train_step", [*args, "--rank-output", str(output)]) != 0:
+        if run_ranks(ranks, "benchmarks.train_step", [*args, "--rank-output", str(output)], output.parent).status != 0:
             return {"size": size_name, "algorithm": algorithm, "error": f"the {ranks}-rank leg failed"}
         legs[ranks].append(json.loads(output.read_text()))
         output.unlink()

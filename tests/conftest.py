@@ -97,6 +97,26 @@ def link_caches(workdir, source) -> None:
             (workdir / cache).symlink_to(source / cache)
 
 
+@pytest.fixture(autouse=True)
+def tracking_uri_left_as_found():
+    """Every test starts with the MLFLOW_TRACKING_URI it found: MLflow exports a URI it is given to the
+    environment, and in a shared pytest-xdist worker one test's store would become the next one's."""
+    import os
+
+    import mlflow
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if os.environ.get("MLFLOW_TRACKING_URI") != before:
+        if before is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = before
+        mlflow.set_tracking_uri(before or "")
+        if before is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+
+
 def pytest_configure(config):
     """Each pytest-xdist worker (CI runs two on two cores) computes on one thread, as do the commands it starts."""
     import os

@@ -309,7 +309,10 @@ def test_bad_input_ends_in_one_error_line_exit_2_and_leaves_the_workdir_alone(
 
 
 def test_ctrl_c_ends_with_one_line_and_exit_130(tmp_path):
-    """Ctrl-C while `prepare` regenerates the data (a Python loop, so the interrupt lands within a batch)."""
+    """Ctrl-C while `prepare` regenerates the data (a Python loop, so the interrupt lands within a batch).
+
+    The command starts with SIGINT at its default: a test run started in the background of a script inherits
+    SIGINT ignored (as shells start background jobs), and Python then never turns it into KeyboardInterrupt."""
     import signal
     import threading
 
@@ -321,6 +324,7 @@ def test_ctrl_c_ends_with_one_line_and_exit_130(tmp_path):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     chunks, regenerating = [], threading.Event()
 
