@@ -117,18 +117,22 @@ def run_ranks(
     command = [sys.executable, "-m", "harness.torchrun_launch", "--standalone", f"--nproc-per-node={nproc_per_node}"]
     command += ["-m", module, *args]
     log.info("launching %d ranks: %s", nproc_per_node, " ".join(command))
+
+    def started_run() -> Path | None:
+        return Path(json.loads(launched.read_text())["directory"]) if launched.exists() else None
+
     job = subprocess.Popen(command, env=environment, preexec_fn=_die_with_parent)
     try:
         try:
             status = job.wait()
         except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM to the launcher: the job stops, recorded as such
             stop_job(job)
-            if launched.exists():
-                run = Run.at(Path(json.loads(launched.read_text())["directory"]))
-                run.record_ending(RunStatus.INTERRUPTED, str(stop) or type(stop).__name__, unless_ended=False)
+            if (directory := started_run()) is not None:
+                reason = str(stop) or type(stop).__name__
+                Run.at(directory).record_ending(RunStatus.INTERRUPTED, reason, unless_ended=False)
             raise
         lost = json.loads(failure.read_text())["reason"] if failure.exists() else None
-        directory = Path(json.loads(launched.read_text())["directory"]) if launched.exists() else None
+        directory = started_run()
     finally:
         remove(failure)
         remove(launched)

@@ -55,6 +55,15 @@ def ended_description(status: RunStatus, reason: str) -> str:
     return f"{status.value.upper()}{'' if reason.startswith('at step') else ':'} {reason}"
 
 
+def ending_tags(status: RunStatus, reason: str) -> dict[str, str]:
+    """The tags of a run that ended with a reason: its status, the reason, and the description saying both."""
+    return {
+        tracking.TAG_STATUS: status.value,
+        tracking.TAG_STATUS_REASON: reason,
+        tracking.TAG_NOTE: ended_description(status, reason),
+    }
+
+
 def runs_root(workdir: Path) -> Path:
     return workdir / "runs"
 
@@ -210,12 +219,7 @@ class Run:
         client = tracking.client(self.workdir)
         if unless_ended and client.get_run(self.run_id).info.status != RunStatus.RUNNING.mlflow_status:
             return False
-        tags = {
-            tracking.TAG_STATUS: status.value,
-            tracking.TAG_STATUS_REASON: reason,
-            tracking.TAG_NOTE: ended_description(status, reason),
-        }
-        for key, value in tags.items():
+        for key, value in ending_tags(status, reason).items():
             client.set_tag(self.run_id, key, value)
         client.set_terminated(self.run_id, status=status.mlflow_status)
         return True
@@ -268,11 +272,10 @@ class Run:
 
     def end(self, status: RunStatus, reason: str | None = None) -> None:
         """Record how the run ended; a run that did not finish says so in its description too."""
-        tags = {tracking.TAG_STATUS: status.value}
-        if reason:
-            tags[tracking.TAG_STATUS_REASON] = reason
-            tags[tracking.TAG_NOTE] = ended_description(status, reason)
-        elif tracking.TAG_STATUS_REASON in mlflow.get_run(self.run_id).data.tags:  # a resumed run's old failure
+        tags = ending_tags(status, reason) if reason else {tracking.TAG_STATUS: status.value}
+        if (
+            not reason and tracking.TAG_STATUS_REASON in mlflow.get_run(self.run_id).data.tags
+        ):  # a resumed run's old failure
             mlflow.delete_tag(tracking.TAG_STATUS_REASON)
         mlflow.set_tags(tags)
         mlflow.end_run(status=status.mlflow_status)
@@ -340,9 +343,7 @@ class Run:
         experiment_id = tracking.configure(self.workdir, self.experiment)
         run_tags = {
             **tags,
-            tracking.TAG_STATUS: status.value,
-            tracking.TAG_STATUS_REASON: reason,
-            tracking.TAG_NOTE: ended_description(status, reason),
+            **ending_tags(status, reason),
             **tracking.who_and_where(),
             **({"mlflow.parentRunId": parent_run_id} if parent_run_id else {}),
         }
