@@ -118,7 +118,9 @@ def unary_head(
     chunk_rows = max(1, CHUNK_ELEMENTS // (head_weight.shape[0] * block)) * block
     # Under autocast the head GEMMs run in its dtype; cast the frozen head once, not once per chunk.
     device_type = hidden.device.type
-    compute_dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else torch.float32
+    # (a device type without autocast, like the `meta` stand-in CI runs accelerator paths on, computes in fp32)
+    autocasting = torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    compute_dtype = torch.get_autocast_dtype(device_type) if autocasting else torch.float32
     compute_head = head_weight.to(compute_dtype)
     # KL and CE have closed-form logit gradients (softmax minus the target); other losses go through autograd.
     closed_form = all(name in losses.CLOSED_FORM_LOSSES for name in objective.loss_weights)
@@ -145,7 +147,9 @@ def unary_head(
             draft_logits = logit_transform(raw_logits)
             draft_logprobs = torch.log_softmax(draft_logits, dim=-1)
         with torch.no_grad():
-            target_logprobs = _target_logprobs(target_hidden, target_rows[rows_out], compute_head, logit_transform)
+            target_logprobs = _target_logprobs(
+                target_hidden, target_rows[rows_out], compute_head, logit_transform, compact
+            )
             draft_probs, target_probs = draft_logprobs.detach().exp(), target_logprobs.exp()
             chunk = row_statistics(draft_logits.detach(), draft_probs, target_logprobs, target_probs, top_k)
             for field in RowStatistics.__dataclass_fields__:
@@ -200,8 +204,14 @@ def unary_head(
     return UnaryHead(loss=loss, terms=terms, stats=stats)
 
 
-def _target_logprobs(target_hidden, rows: torch.Tensor, compute_head: torch.Tensor, logit_transform) -> torch.Tensor:
-    """fp32 target log-probs for each row; rows shared by overlapping blocks go through the head once."""
+def _target_logprobs(
+    target_hidden, rows: torch.Tensor, compute_head: torch.Tensor, logit_transform, compact: bool
+) -> torch.Tensor:
+    """fp32 target log-probs for each row. Compacting, rows shared by overlapping blocks go through the head
+    once; on an accelerator every row does, since `unique`'s output size would have to be read back."""
+    if not compact:
+        hidden = target_hidden[rows].to(compute_head.dtype)
+        return torch.log_softmax(logit_transform(F.linear(hidden, compute_head).float()), dim=-1)
     unique_rows, inverse = torch.unique(rows, return_inverse=True)
     logits = logit_transform(F.linear(target_hidden[unique_rows].to(compute_head.dtype), compute_head).float())
     return torch.log_softmax(logits, dim=-1)[inverse]

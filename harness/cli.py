@@ -288,7 +288,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from harness import tracking
-    from harness.evaluate import EvalConfig, evaluate, log_evaluation
+    from harness.config import EvalConfig
+    from harness.evaluate import evaluate, log_evaluation
     from harness.run import EVAL_RECORDS_FILE
     from harness.train import checkpoint_config, prepare_workspace, restore_draft
 
@@ -326,7 +327,7 @@ def add_system_metrics(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from harness.evaluate import EvalConfig
+    from harness.config import EvalConfig
 
     parser = argparse.ArgumentParser(
         prog="dflash-lab", description="Train, compare and ablate DFlash-family draft models."

@@ -68,6 +68,16 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Measured-acceptance settings; the one home of their defaults (CLI and study files read them here)."""
+
+    num_prompts: int = 20
+    max_new_tokens: int = 128
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    seed: int = 0
+
+
+@dataclass
 class RunConfig:
     """Everything that defines one training run."""
 

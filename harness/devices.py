@@ -1,8 +1,12 @@
 """Where tensors live and how they are computed: the one place inputs reach a model's device, random
-generators are made, and autocast is chosen. CPU and CUDA run the same code through these helpers."""
+generators are made, and autocast is chosen. CPU and CUDA run the same code through these helpers.
+
+Branches mean "an accelerator" (anything but the host CPU), not "CUDA": CI runs those paths on PyTorch's
+`meta` device, which stands in for a GPU without one (tests/test_accelerator_standin.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from pathlib import Path
 
@@ -14,6 +18,11 @@ from algorithms.blocks import Anchors, PackedRow, host_view
 def generator(device: torch.device | str, seed: int) -> torch.Generator:
     """A seeded generator on `device`: sampling ops need theirs on the device of the tensors they sample."""
     return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
+def is_accelerator(device: torch.device | str) -> bool:
+    """Anything but the host CPU: CUDA, or the `meta` stand-in."""
+    return torch.device(device).type != "cpu"
 
 
 def model_device(module: torch.nn.Module) -> torch.device:
@@ -43,25 +52,30 @@ def ids_on(ids: list[int], device: torch.device | str) -> torch.Tensor:
 
 
 def synchronize(device: torch.device | str) -> None:
-    """Wait for the device's queue: what a wall-clock timing on CUDA needs (a no-op on the CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+    """Wait for the device's queue: what a wall-clock timing on an accelerator needs (a no-op on the CPU, and
+    on the stand-in, which has no queue)."""
+    if is_accelerator(device) and torch.accelerator.is_available():
+        torch.accelerator.synchronize(device)
 
 
 def autocast(device: str | torch.device, precision: str):
-    """bf16 autocast with fp32 master weights, or fp32; `auto` is bf16 on CUDA and on CPUs with native bf16.
+    """bf16 autocast with fp32 master weights, or fp32; `auto` is bf16 on an accelerator and on CPUs with
+    native bf16.
 
     bf16 on CPU is about 2x faster where the CPU has native bf16 (AVX512-BF16/AMX), much slower elsewhere.
     """
     device_type = torch.device(device).type
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()  # the stand-in has no autocast: the one precision path it cannot run
     return torch.autocast(device_type, dtype=torch.bfloat16, enabled=uses_bf16(device, precision))
 
 
 def uses_bf16(device: str | torch.device, precision: str) -> bool:
-    """Whether `precision` on `device` computes in bf16 (`auto`: on CUDA, and on a CPU with native bf16)."""
+    """Whether `precision` on `device` computes in bf16 (`auto`: on an accelerator, and on a CPU with native
+    bf16)."""
     if precision != "auto":
         return precision == "bf16"
-    return torch.device(device).type == "cuda" or (torch.device(device).type == "cpu" and cpu_has_native_bf16())
+    return is_accelerator(device) or cpu_has_native_bf16()
 
 
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 matmuls

@@ -24,8 +24,6 @@ import torch.distributed as dist
 
 from harness.files import remove
 from harness.preemption import LAUNCHED_RUN_ENV, RankStopped
-from harness.run import Run
-from harness.tracking import RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +125,9 @@ def run_ranks(
             status = job.wait()
         except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM to the launcher: the job stops, recorded as such
             stop_job(job)
+            from harness.run import Run  # here: the parser and the ranks import this module without MLflow
+            from harness.tracking import RunStatus
+
             if (directory := started_run()) is not None:
                 reason = str(stop) or type(stop).__name__
                 Run.at(directory).record_ending(RunStatus.INTERRUPTED, reason, unless_ended=False)

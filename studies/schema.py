@@ -12,9 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from algorithms import ALGORITHMS, SharedKnobs, algorithm_entry
 from algorithms.metrics import DRAFT_STEP_MS, REALIZED_ACCEPTED_LENGTH
 from algorithms.registry import COMPONENT_FACTORS, with_design_point
-from harness.config import RunConfig, parse_yaml
+from harness.config import EvalConfig, RunConfig, parse_yaml
 from harness.design import FACTORIAL, ONE_AT_A_TIME, Design, DesignError, design_from_spec
-from harness.evaluate import EvalConfig
 
 OBJECTIVES = {REALIZED_ACCEPTED_LENGTH: "maximize", DRAFT_STEP_MS: "minimize"}
 DESIGN_SAMPLER = "design"  # a designed study's trials are its enqueued points, never sampled
