@@ -1,14 +1,16 @@
 """The GPU acceptance check: every user-facing command, end to end on CUDA, on the embedded target.
 
-    python -m benchmarks.gpu_check [--device cuda] [--workdir work-gpu] [--out benchmarks/GPU_CHECK.json]
+    python -m benchmarks.gpu_check [--device cuda] [--workdir work/gpu-check] [--target-dir DIR] [--out FILE]
     python -m benchmarks.gpu_check --cpu-dry-run      # the same steps on the CPU at toy sizes (CI)
 
 Steps: prepare (reusing the cache), 100 DFlash2 steps under bf16 autocast with validation, evaluate on 5
 MT-bench prompts at T = 0 (token identity with the target's own greedy decoding) and T = 1, export and a
-load of the export in Z Lab's dflash 0.1.0 with identical hidden states, the train-step benchmark against
-speculators 0.9.0 at the qwen3-8b shape, data-parallel scaling over every GPU of the machine (torchrun, FSDP2;
-recorded as not measured on a one-GPU machine), and the DFlash2-over-DFlash overhead. One JSON summary holds every
-figure with pass or fail per step; the exit status is non-zero when any step failed.
+load of the export in Z Lab's dflash 0.1.0 with identical hidden states, the syncs per training step (the goal is
+zero) and per decoding cycle under `torch.cuda.set_sync_debug_mode`, vLLM serving the DFlash and DFlash2 exports
+(where vllm imports), the train-step benchmark against speculators 0.9.0 at the qwen3-8b shape, data-parallel
+scaling over every GPU of the machine (torchrun, FSDP2; recorded as not measured on a one-GPU machine), and the
+DFlash2-over-DFlash overhead. One JSON summary holds every figure with pass or fail per step; the exit status is
+non-zero when any step failed.
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-RUN_NAME = "gpu-check"
+RUN_NAME, DFLASH_RUN_NAME = "gpu-check", "gpu-check-dflash"
+EMBEDDED_TARGET = "smollm2-135m"
+DEFAULT_WORKDIR = Path("work") / "gpu-check"  # inside the project's (ignored) default work directory
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,7 @@ class Sizes:
 
     data: tuple[str, ...]
     train_steps: int
+    sync_steps: int  # training steps counted under the sync debug mode, after two warm-up steps
     prompts: int
     new_tokens: int
     train_step_benchmark: tuple[str, ...]
@@ -41,6 +48,7 @@ class Sizes:
 REAL = Sizes(
     data=(),
     train_steps=100,
+    sync_steps=10,
     prompts=5,
     new_tokens=64,
     train_step_benchmark=("--sizes", "qwen3-8b", "--algorithms", "dflash", "dflash2", "--precisions", "bf16"),
@@ -52,6 +60,7 @@ DRY = Sizes(
     data=("--num-conversations", "40", "--num-validation", "8", "--max-new-tokens", "48", "--max-length", "192")
     + ("--row-length", "512"),
     train_steps=4,
+    sync_steps=1,
     prompts=1,
     new_tokens=8,
     train_step_benchmark=("--smoke",),
@@ -79,20 +88,21 @@ def json_lines(text: str) -> list[dict]:
 class Check:
     """The steps, sharing one work directory and device."""
 
-    def __init__(self, device: str, workdir: Path, sizes: Sizes) -> None:
-        self.device, self.workdir, self.sizes = device, workdir, sizes
+    def __init__(self, device: str, workdir: Path, sizes: Sizes, target: str = EMBEDDED_TARGET) -> None:
+        self.device, self.workdir, self.sizes, self.target = device, workdir, sizes, target
         self.common = ("--workdir", str(workdir), "--device", device)
+        self.inputs = ("--target", target, *sizes.data)
 
     def prepare(self) -> dict:
-        out = cli("prepare", *self.common, *self.sizes.data)
+        out = cli("prepare", *self.common, *self.inputs)
         return {"feature_cache": "reused" if "features reused" in out else "built"}
 
-    def train(self) -> dict:
+    def train(self, algorithm: str = "dflash2", run_name: str = RUN_NAME) -> dict:
         steps = str(self.sizes.train_steps)
         every = str(max(1, self.sizes.train_steps // 2))
-        args = ["train", *self.common, *self.sizes.data, "--algorithm", "dflash2", "--precision", "bf16"]
-        args += ["--max-steps", steps, "--eval-every", every, "--checkpoint-every", every, "--run-name", RUN_NAME]
-        run_dir = self.workdir / "runs" / RUN_NAME
+        args = ["train", *self.common, *self.inputs, "--algorithm", algorithm, "--precision", "bf16"]
+        args += ["--max-steps", steps, "--eval-every", every, "--checkpoint-every", every, "--run-name", run_name]
+        run_dir = self.workdir / "runs" / run_name
         if run_dir.exists():
             args.append("--resume")  # a rerun of the script continues (or re-reads) the finished run
         started = time.perf_counter()
@@ -130,7 +140,7 @@ class Check:
         from dflash import model as zlab
 
         torch.backends.cuda.matmul.allow_tf32 = False  # compare in true fp32
-        target = load_target("smollm2-135m", self.workdir, device=self.device)
+        target = load_target(self.target, self.workdir, device=self.device)
         draft = load_exported_weights(restore_draft(Run(self.workdir, RUN_NAME).load_checkpoint(), target), out)
         draft = draft.to(self.device).eval()
         architecture = json.loads((out / "config.json").read_text())["architectures"][0]
@@ -153,6 +163,96 @@ class Check:
         if difference > 1e-3:
             raise AssertionError(f"hidden states differ from Z Lab's by up to {difference:.2e}")
         return {"max_abs_hidden_difference": difference, "export": str(out)}
+
+    def syncs(self) -> dict:
+        """Host syncs per training step (the goal is zero: the README's claim, also checked on CI's stand-in) and
+        per decoding cycle (acceptance is read by design), counted by `torch.cuda.set_sync_debug_mode("warn")`."""
+        if not self.device.startswith("cuda"):
+            return {"not_measured": "the sync debug mode counts CUDA syncs; this is the CPU dry run"}
+        import torch
+
+        from harness.decode import speculative_generate
+        from harness.evaluate import mtbench_questions, prompt_ids
+        from harness.run import Run
+        from harness.train import TrainingRecipe, checkpoint_config, prepare_workspace, restore_draft
+
+        state = Run(self.workdir, RUN_NAME).load_checkpoint()
+        config = checkpoint_config(state)
+        workspace = prepare_workspace(config, self.workdir, self.device)
+        recipe = TrainingRecipe(config, workspace, run=None, device=self.device)
+        for step in range(2):  # warm-up: allocator, cuBLAS handles, autotuning
+            recipe.step(step)
+        torch.cuda.synchronize(self.device)
+        with counted_syncs() as training:
+            for step in range(2, 2 + self.sizes.sync_steps):
+                recipe.step(step)
+            torch.cuda.current_stream(self.device).query()  # not a sync: ends the window without waiting
+        target, draft = workspace.target, restore_draft(state, workspace.target, self.device)
+        prompt = prompt_ids(target.tokenizer, mtbench_questions(1)[0])
+        stop = {target.tokenizer.eos_token_id}
+        with torch.no_grad(), counted_syncs() as decoding:
+            stats = speculative_generate(target.model, draft, prompt, self.sizes.new_tokens, stop)
+        cycles = max(1, len(stats.acceptance_lengths))
+        return {
+            "syncs_per_training_step": len(training) / self.sizes.sync_steps,
+            "training_sync_sites": sync_sites(training),
+            "syncs_per_decoding_cycle": len(decoding) / cycles,
+            "decoding_cycles": cycles,
+            "decoding_sync_sites": sync_sites(decoding),
+        }
+
+    def vllm_serving(self) -> dict:
+        """vLLM's `dflash` speculative method serving the DFlash and DFlash2 exports on the target, offline, on
+        the MT-bench prompts `evaluate` decodes: vLLM's accepted length beside ours and the run's offline one."""
+        if not self.device.startswith("cuda"):
+            return {"skipped": "vLLM serves on a GPU; this is the CPU dry run"}
+        try:
+            import vllm
+        except ImportError as error:
+            return {"not_available": f"vllm does not import here ({error})"}
+        self.train("dflash", DFLASH_RUN_NAME)
+        return {
+            "vllm": vllm.__version__,
+            **{
+                algorithm: self.served(run_name)
+                for algorithm, run_name in (("dflash", DFLASH_RUN_NAME), ("dflash2", RUN_NAME))
+            },
+        }
+
+    def served(self, run_name: str) -> dict:
+        from vllm import LLM, SamplingParams
+
+        from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
+        from harness.evaluate import mtbench_questions
+        from harness.run import Run
+        from harness.targets import load_target
+        from harness.tracking import EVAL_PREFIX, VAL_PREFIX, client, metric_key
+        from harness.train import checkpoint_config
+
+        export = self.workdir / f"{run_name}-export"
+        cli("export", run_name, "--workdir", str(self.workdir), "--out", str(export), "--force")
+        cli(
+            "evaluate", run_name, *self.common, "--num-prompts", str(self.sizes.prompts),
+            "--max-new-tokens", str(self.sizes.new_tokens), "--temperatures", "0",
+        )  # fmt: skip
+        run = Run(self.workdir, run_name)
+        shared = checkpoint_config(run.load_checkpoint()).algorithm.shared
+        slots = shared.block_size - shared.first_draft_slot
+        speculative = {"method": "dflash", "model": str(export), "num_speculative_tokens": slots}
+        target_dir = load_target(self.target, self.workdir).source
+        llm = LLM(model=target_dir, speculative_config=speculative, disable_log_stats=False, enforce_eager=True)
+        prompts = [[{"role": "user", "content": q}] for q in mtbench_questions(self.sizes.prompts)]
+        llm.chat(prompts, SamplingParams(temperature=0, max_tokens=self.sizes.new_tokens), use_tqdm=False)
+        counters = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+        drafts = next((v for k, v in counters.items() if k.startswith("vllm:spec_decode_num_drafts")), None)
+        accepted = next((v for k, v in counters.items() if k.startswith("vllm:spec_decode_num_accepted_tokens")), 0)
+        metrics = client(self.workdir).get_run(run.run_id).data.metrics
+        return {
+            "vllm_accepted_length": 1 + accepted / drafts if drafts else None,
+            "vllm_drafts": drafts,
+            "evaluate_accepted_length": metrics.get(f"{EVAL_PREFIX}mtbench_measured_accepted_length_greedy"),
+            "offline_realized_accepted_length": metrics.get(metric_key(REALIZED_ACCEPTED_LENGTH, VAL_PREFIX)),
+        }
 
     def train_step_benchmark(self) -> dict:
         args = [
@@ -187,6 +287,31 @@ class Check:
         return {"records": json_lines(command([*args, *self.sizes.overhead, "--out", str(out)], 3600))}
 
 
+@contextmanager
+def counted_syncs() -> Iterator[list[warnings.WarningMessage]]:
+    """The host syncs inside the block, one warning each, under `torch.cuda.set_sync_debug_mode("warn")`."""
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        syncs: list[warnings.WarningMessage] = []
+        try:
+            yield syncs
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            syncs += [w for w in caught if "synchroniz" in str(w.message)]
+
+
+def sync_sites(syncs: list[warnings.WarningMessage]) -> dict[str, int]:
+    """Where the syncs came from: file:line of the Python frame that triggered each, with counts."""
+    sites: dict[str, int] = {}
+    for warning in syncs:
+        site = f"{Path(warning.filename).name}:{warning.lineno}"
+        sites[site] = sites.get(site, 0) + 1
+    return dict(sorted(sites.items(), key=lambda item: -item[1]))
+
+
 def run_steps(steps: list[tuple[str, Callable[[], dict]]]) -> dict:
     """Every step, in order, each recorded as pass or fail with its figures or its error."""
     results = {}
@@ -204,7 +329,14 @@ def run_steps(steps: list[tuple[str, Callable[[], dict]]]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="the CUDA device to check (default: cuda)")
-    parser.add_argument("--workdir", type=Path, default=Path("work-gpu"), help="caches and runs (default: work-gpu)")
+    parser.add_argument(
+        "--workdir", type=Path, default=DEFAULT_WORKDIR, help=f"caches and runs (default: {DEFAULT_WORKDIR})"
+    )
+    parser.add_argument(
+        "--target-dir",
+        type=Path,
+        help=f"an already-converted Hugging Face target (default: the {EMBEDDED_TARGET} GGUF)",
+    )
     parser.add_argument("--out", type=Path, help="the JSON summary (default: benchmarks/GPU_CHECK.json)")
     parser.add_argument("--cpu-dry-run", action="store_true", help="the same steps on the CPU at toy sizes")
     args = parser.parse_args(argv)
@@ -213,13 +345,16 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (
         args.workdir / "GPU_CHECK.json" if args.cpu_dry_run else Path(__file__).parent / "GPU_CHECK.json"
     )
-    check = Check(args.device, args.workdir, DRY if args.cpu_dry_run else REAL)
+    target = str(args.target_dir) if args.target_dir else EMBEDDED_TARGET
+    check = Check(args.device, args.workdir, DRY if args.cpu_dry_run else REAL, target)
     started = time.perf_counter()
     steps = [
         ("prepare", check.prepare),
         ("train", check.train),
         ("evaluate", check.evaluate),
         ("export", check.export),
+        ("syncs", check.syncs),
+        ("vllm_serving", check.vllm_serving),
         ("train_step_benchmark", check.train_step_benchmark),
         ("data_parallel", check.data_parallel),
         ("overhead", check.overhead),
