@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 LOSS_NAMES = ("kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid")
-POSITION_WEIGHTINGS = ("fixed-exp-decay", "dpace")
+POSITION_WEIGHTINGS = ("fixed-exp-decay", "dpace", "uniform")
 BLOCK_ATTENTIONS = ("bidirectional", "causal")
 SELECTOR_INITS = ("zero_successor", "normal")
 

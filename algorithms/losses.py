@@ -105,6 +105,11 @@ def fixed_exp_decay_weights(slots: torch.Tensor, gamma: float, sample_from_ancho
     return torch.exp(-(slots - 1).clamp(min=0) / gamma) * (slots != 0).float()
 
 
+def uniform_weights(slots: torch.Tensor, sample_from_anchor: bool) -> torch.Tensor:
+    """omega_k = 1 on every predicted slot (no decay; JetSpec's forward KL), omega_0 = 0 in anchor mode."""
+    return torch.ones_like(slots, dtype=torch.float32) if sample_from_anchor else (slots != 0).float()
+
+
 @torch.no_grad()
 def dpace_weights(per_position_ce: torch.Tensor, mask: torch.Tensor, block_size: int, alpha: float) -> torch.Tensor:
     """D-PACE: omega_k = m_k * sum_{j>=k} m_j * prod_{i<=j} s_i.
@@ -137,6 +142,8 @@ def position_weights(
     """The weights of one term; D-PACE reads them from that term's own CE."""
     if scheme == "dpace":
         return dpace_weights(per_position, mask, block_size, dpace_alpha)
+    if scheme == "uniform":
+        return uniform_weights(slots, sample_from_anchor)
     return fixed_exp_decay_weights(slots, gamma, sample_from_anchor)
 
 

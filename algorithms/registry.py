@@ -1,8 +1,8 @@
 """The algorithm table: each entry names a draft class, its knobs, its published shared defaults and
 its export format. Everything above `algorithms/` asks this table instead of branching on a name.
 
-The four entries are the component ablation of the DFlash2 write-up: DFlash, DFlash + conv,
-DFlash + selector (with the split objective), and DFlash2 = both.
+Entries: DFlash; the component ablation of the DFlash2 write-up (DFlash + conv, DFlash + selector with the
+split objective, and DFlash2 = both); and the family's other members (JetSpec).
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ from algorithms.modeling import DraftConfig, TargetSpec
 # start from DFlash2's.
 DFLASH_SHARED = {"block_size": 16, "loss": "ce", "position_weighting": "dpace"}
 DFLASH2_SHARED = {"block_size": 8, "loss": "kl_div", "position_weighting": "fixed-exp-decay"}
+# JetSpec keeps DFlash's draft and block size, attends causally inside a block and distils with forward KL at
+# temperature 1 over every predicted slot alike (NeMo AutoModel's JetSpec recipe).
+JETSPEC_DEFINING = {"loss": "kl_div", "position_weighting": "uniform", "block_attention": "causal"}
+JETSPEC_SHARED = {"block_size": 16, **JETSPEC_DEFINING}
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,9 @@ class Algorithm:
     description: str
     # The peer format an export is written in; None: no peer can load this variant.
     export_format: PeerFormat | None
+    # Shared knobs that make this member what it is: a preset that pins shared knobs alike for every member
+    # (`small`) keeps these, so a like-for-like comparison still compares the members.
+    defining_shared: dict[str, Any] = field(default_factory=dict)
 
     @property
     def has_conv(self) -> bool:
@@ -79,6 +86,15 @@ ALGORITHMS: dict[str, Algorithm] = {
             DFLASH_SHARED,
             "DFlash: unary parallel drafting",
             PeerFormat("dflash", "DFlashDraftModel"),
+        ),
+        Algorithm(
+            "jetspec",
+            DFlashDraft,
+            DFlashKnobs,
+            JETSPEC_SHARED,
+            "JetSpec: DFlash with causal in-block attention, forward KL and no position decay",
+            PeerFormat("dflash", "DFlashDraftModel"),
+            JETSPEC_DEFINING,
         ),
         Algorithm(
             "dflash+conv", DFlashDraft, ConvKnobs, DFLASH2_SHARED, "DFlash + grouped dynamic conv, unary decoding", None
@@ -171,13 +187,17 @@ class AlgorithmConfig:
         return AlgorithmConfig(self.algorithm, shared, knobs)
 
     def with_algorithm(self, algorithm: str) -> AlgorithmConfig:
-        """Another algorithm with the same shared knobs, and these knobs wherever it has them."""
-        knobs_class = algorithm_entry(algorithm).knobs_class
+        """Another algorithm with the same shared knobs, and these knobs wherever it has them. Only defining
+        knobs change: this member's go back to the other's published values, then the other's apply."""
+        entry = algorithm_entry(algorithm)
+        published = SharedKnobs(**entry.published_shared)
+        reverted = {name: getattr(published, name) for name in self.entry.defining_shared}
+        shared = dataclasses.replace(self.shared, **{**reverted, **entry.defining_shared})
         own = dataclasses.asdict(self.knobs)
         return AlgorithmConfig(
             algorithm,
-            dataclasses.replace(self.shared),
-            knobs_class(**{k: v for k, v in own.items() if k in knob_names(knobs_class)}),
+            shared,
+            entry.knobs_class(**{k: v for k, v in own.items() if k in knob_names(entry.knobs_class)}),
         )
 
     def validate(self) -> None:

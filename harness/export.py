@@ -83,6 +83,7 @@ def checkpoint_config(draft: DFlashDraft, verifier_name_or_path: str) -> dict:
             "block_size": cfg.block_size,
             "target_layer_ids": [i - 1 for i in cfg.target_layer_ids],
             "mask_token_id": cfg.mask_token_id,
+            **({"causal": True} if cfg.causal_blocks else {}),  # how vLLM and Z Lab read in-block causal drafts
             **selector,
             **transform,
         },

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from algorithms import AlgorithmConfig
+from algorithms import AlgorithmConfig, algorithm_entry
 from harness.config import RunConfig, TrainConfig
 from harness.data import DataConfig
 
 PRESETS = ("small", "published")
 
-# `small` pins the same shared knobs for every algorithm, so their runs compare like for like.
+# `small` pins the same shared knobs for every algorithm, so their runs compare like for like; a member's
+# defining shared knobs (its registry row's `defining_shared`, e.g. JetSpec's causal blocks) are kept.
 SMALL_SHARED = dict(
     block_size=8,
     num_draft_layers=2,
@@ -29,7 +30,7 @@ def preset_run(preset: str, algorithm: str, target: str) -> RunConfig:
         return RunConfig(AlgorithmConfig.preset(algorithm), TrainConfig(), DataConfig(), target)
     if preset != "small":
         raise ValueError(f"invalid knob preset={preset!r}: allowed one of {list(PRESETS)}")
-    config = AlgorithmConfig.preset(algorithm, **SMALL_SHARED)
+    config = AlgorithmConfig.preset(algorithm, **{**SMALL_SHARED, **algorithm_entry(algorithm).defining_shared})
     config = config.replace(**{k: v for k, v in SMALL_KNOBS.items() if k in config.knob_names()})
     return RunConfig(
         config,

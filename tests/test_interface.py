@@ -1,6 +1,7 @@
 """The algorithm interface carries the variation: component variants reduce exactly, and nothing above
 `algorithms/` branches on an algorithm's name."""
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -52,6 +53,7 @@ def test_every_variant_is_registered_with_its_components():
         "dflash+conv": (True, False),
         "dflash+selector": (False, True),
         "dflash2": (True, True),
+        "jetspec": (False, False),
     }
     assert ALGORITHMS["dflash2"].tuned_knobs == (
         "conv_kernel_size",
@@ -62,11 +64,15 @@ def test_every_variant_is_registered_with_its_components():
     )
 
 
-def test_variants_share_every_shared_knob_with_the_base():
+def test_variants_share_every_shared_knob_with_the_base_but_their_defining_ones():
     base = AlgorithmConfig.preset("dflash2", selector_rank=32, conv_group_size=8, block_size=4)
     for name in ALGORITHMS:
         variant = base.with_algorithm(name)
-        assert variant.shared == base.shared
+        defining = ALGORITHMS[name].defining_shared
+        assert all(getattr(variant.shared, knob) == value for knob, value in defining.items())
+        for knob in dataclasses.asdict(base.shared).keys() - defining.keys():
+            assert getattr(variant.shared, knob) == getattr(base.shared, knob), (name, knob)
+        assert variant.with_algorithm("dflash2").shared == base.shared, f"{name} and back"
         for knob in ("selector_rank", "conv_group_size"):
             if hasattr(variant.knobs, knob):
                 assert getattr(variant.knobs, knob) == getattr(base.knobs, knob)

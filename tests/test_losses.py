@@ -14,6 +14,17 @@ def test_fixed_decay_check_vectors():
     assert losses.fixed_exp_decay_weights(slots, 2.0, True).tolist() == pytest.approx(expected_true, abs=1e-4)
 
 
+def test_uniform_weights_are_one_on_every_predicted_slot():
+    slots = torch.arange(4).repeat(2)
+    assert losses.uniform_weights(slots, False).tolist() == [0, 1, 1, 1] * 2
+    assert losses.uniform_weights(slots, True).tolist() == [1, 1, 1, 1] * 2
+    per_position, mask = torch.tensor([9.0, 1, 2, 3, 9, 4, 5, 6]), torch.tensor([0.0, 1, 1, 1, 0, 1, 1, 0])
+    weights = losses.position_weights(per_position, mask, slots, 4, "uniform", 4.0, 0.5, False)
+    assert float(losses.reduce_weighted(per_position, weights, mask)) == pytest.approx(
+        (1 + 2 + 3 + 4 + 5) / 5, rel=1e-5
+    )
+
+
 def test_dpace_worked_examples():
     mask = torch.tensor([0.0, 1, 1, 1])
     ce = torch.tensor([0.0, math.log(2), math.log(2), math.log(2)])  # c = 0.5

@@ -1,0 +1,83 @@
+"""Build NeMo AutoModel 0.7.0's family members with our weights, for side-by-side checks.
+
+NeMo is installed with `--no-deps` (it pins another transformers); its speculative modules import on the CPU.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from unittest import mock
+
+import torch
+from torch import nn
+
+from algorithms.blocks import Anchors, PackedRow
+from algorithms.dflash import DFlashDraft
+
+NEMO_DFLASH = "nemo_automodel.components.speculative.dflash"
+
+
+def nemo_backbone(ours: DFlashDraft):
+    """NeMo's Qwen3 DFlash draft with our shapes and trainable weights (the same parameter names)."""
+    from nemo_automodel.components.speculative.dflash.draft_qwen3 import (
+        Qwen3DFlashDraftModel,
+        build_qwen3_dflash_draft_config,
+    )
+    from transformers import Qwen3Config
+
+    cfg, target = ours.config, ours.config.target
+    target_config = Qwen3Config(
+        hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size,
+        num_hidden_layers=target.num_hidden_layers,
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads,
+        head_dim=target.head_dim,
+        vocab_size=target.vocab_size,
+        rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta,
+        max_position_embeddings=target.max_position_embeddings,
+        tie_word_embeddings=False,
+    )
+    config = build_qwen3_dflash_draft_config(
+        target_config,
+        num_draft_layers=cfg.num_layers,
+        num_target_layers=target.num_hidden_layers,
+        block_size=cfg.block_size,
+        # NeMo counts aux layers from the first decoder layer (HF hidden_states index - 1), as Z Lab does
+        dflash_config={"mask_token_id": cfg.mask_token_id, "target_layer_ids": [i - 1 for i in cfg.target_layer_ids]},
+        attention_backend="sdpa",
+    )
+    theirs = Qwen3DFlashDraftModel(config)
+    theirs.load_state_dict(ours.state_dict(), strict=True)
+    return theirs.float()
+
+
+def frozen_modules(ours: DFlashDraft) -> tuple[nn.Module, nn.Module]:
+    """The verifier's head and input embedding as modules holding our frozen tensors."""
+    head = nn.Linear(ours.head_weight.shape[1], ours.head_weight.shape[0], bias=False)
+    embed = nn.Embedding(*ours.embed_weight.shape)
+    with torch.no_grad():
+        head.weight.copy_(ours.head_weight)
+        embed.weight.copy_(ours.embed_weight)
+    return head.requires_grad_(False), embed.requires_grad_(False)
+
+
+@contextmanager
+def fixed_nemo_anchors(anchors: Anchors):
+    """NeMo draws anchors inside its trainer; pin them to ours for a like-for-like batch (one row)."""
+    target = f"{NEMO_DFLASH}.core.DFlashTrainerModule._sample_anchor_positions"
+    with mock.patch(target, return_value=(anchors.positions[None], anchors.valid[None])):
+        yield
+
+
+def nemo_row_inputs(row: PackedRow, head: nn.Module) -> dict:
+    """One unpacked row as NeMo's trainers take it: ids, aux features, loss mask and the target's logits."""
+    with torch.no_grad():
+        target_logits = head(row.target_hidden)
+    return dict(
+        input_ids=row.input_ids[None],
+        hidden_states=row.features[None],
+        loss_mask=row.loss_mask[None],
+        target_logits=target_logits[None],
+    )
