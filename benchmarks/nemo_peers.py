@@ -13,6 +13,7 @@ from torch import nn
 
 from algorithms.blocks import Anchors, PackedRow
 from algorithms.dflash import DFlashDraft
+from benchmarks.peers import qwen3_shape
 
 NEMO_DFLASH = "nemo_automodel.components.speculative.dflash"
 
@@ -26,19 +27,7 @@ def nemo_backbone(ours: DFlashDraft):
     from transformers import Qwen3Config
 
     cfg, target = ours.config, ours.config.target
-    target_config = Qwen3Config(
-        hidden_size=target.hidden_size,
-        intermediate_size=target.intermediate_size,
-        num_hidden_layers=target.num_hidden_layers,
-        num_attention_heads=target.num_attention_heads,
-        num_key_value_heads=target.num_key_value_heads,
-        head_dim=target.head_dim,
-        vocab_size=target.vocab_size,
-        rms_norm_eps=target.rms_norm_eps,
-        rope_theta=target.rope_theta,
-        max_position_embeddings=target.max_position_embeddings,
-        tie_word_embeddings=False,
-    )
+    target_config = Qwen3Config(**qwen3_shape(target, target.num_hidden_layers), tie_word_embeddings=False)
     config = build_qwen3_dflash_draft_config(
         target_config,
         num_draft_layers=cfg.num_layers,

@@ -9,11 +9,28 @@ import torch
 
 from algorithms.blocks import Anchors, PackedRow
 from algorithms.dflash import DFlashDraft
+from algorithms.modeling import TargetSpec
 
 
 def peer_model_type(ours) -> str:
     """The speculators model type our draft maps to (only algorithms with a peer format have one)."""
     return ours.algorithm.entry.export_format.model_type
+
+
+def qwen3_shape(target: TargetSpec, num_layers: int) -> dict:
+    """A Qwen3 config's shape fields: `num_layers` decoder layers of the target's width."""
+    return dict(
+        hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=target.num_attention_heads,
+        num_key_value_heads=target.num_key_value_heads,
+        head_dim=target.head_dim,
+        vocab_size=target.vocab_size,
+        rms_norm_eps=target.rms_norm_eps,
+        rope_theta=target.rope_theta,
+        max_position_embeddings=target.max_position_embeddings,
+    )
 
 
 def speculators_draft(ours: DFlashDraft, attention: str = "sdpa"):
@@ -26,16 +43,7 @@ def speculators_draft(ours: DFlashDraft, attention: str = "sdpa"):
 
     cfg, target = ours.config, ours.config.target
     layer_config = Qwen3Config(
-        hidden_size=target.hidden_size,
-        intermediate_size=target.intermediate_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=target.num_attention_heads,
-        num_key_value_heads=target.num_key_value_heads,
-        head_dim=target.head_dim,
-        vocab_size=target.vocab_size,
-        rms_norm_eps=target.rms_norm_eps,
-        rope_theta=target.rope_theta,
-        max_position_embeddings=target.max_position_embeddings,
+        **qwen3_shape(target, cfg.num_layers),
         layer_types=["sliding_attention"] * cfg.num_layers,
         sliding_window=cfg.sliding_window,
         use_sliding_window=True,
