@@ -45,6 +45,7 @@ class BlockForward:
     head: UnaryHead  # unary loss and per-row statistics against the verifier's logits
     mask: torch.Tensor  # [M] aligned loss mask
     block_tokens: torch.Tensor  # [N, B] dataset tokens under each block
+    target_hidden: torch.Tensor  # [M, H] the target's final states that supervise each row
 
 
 @dataclass
@@ -105,16 +106,21 @@ class DFlashDraft(DraftBackbone):
         )
         hidden = self(row.features, row.position_ids, block_ids, block_positions, tiles, size)
         loss_mask = aligned_loss_mask(row.loss_mask, anchors, size, self.shared.sample_from_anchor)
+        target_rows = target_indices(anchors.positions, size, row.length, self.shared.sample_from_anchor)
         head = unary_head(
             hidden,
             row.target_hidden,
-            target_indices(anchors.positions, size, row.length, self.shared.sample_from_anchor),
+            target_rows,
             loss_mask,
             self.head_weight,
             self.logit_transform,
             self.unary_objective,
         )
-        return BlockForward(hidden=hidden, head=head, mask=loss_mask, block_tokens=row.input_ids[flat].view(-1, size))
+        block_tokens = row.input_ids[flat].view(-1, size)
+        return BlockForward(hidden, head, loss_mask, block_tokens, row.target_hidden[target_rows])
+
+    def set_training_progress(self, step: int, total_steps: int) -> None:
+        """Told before each training step; a member whose objective follows a schedule reads it here."""
 
     def batch_share(self, row: PackedRow, anchors: Anchors, part: Anchors) -> float:
         """The weight of `part`'s loss in the loss over all `anchors` (host tensors): a data-parallel rank scales

@@ -234,6 +234,31 @@ class SelectorKnobs(DFlashKnobs):
 
 
 @dataclass
+class DominoKnobs(DFlashKnobs):
+    """Domino's correction head: GRU over the block's previous tokens, low-rank logit delta, base-loss schedule."""
+
+    TUNED: ClassVar[tuple[str, ...]] = ("domino_rank", "domino_gru_size")
+
+    domino_rank: int = knob(256, "rank of the [hidden | GRU state] -> vocabulary logit delta (NeMo's emb_dim)")
+    domino_gru_size: int = knob(1024, "hidden size of the one-layer GRU over the block's previous tokens")
+    domino_pure_prefix: int = knob(1, "first draft slots that keep their base logits (NeMo's pure_draft_prefix_len)")
+    domino_lambda_decay_ratio: float = knob(
+        0.5, "share of training over which the base loss's weight falls linearly from 1 to 0"
+    )
+
+    def validate(self, shared: SharedKnobs) -> None:
+        super().validate(shared)
+        for name in ("domino_rank", "domino_gru_size"):
+            if getattr(self, name) < 1:
+                raise knob_error(name, getattr(self, name), "an integer >= 1")
+        slots = shared.block_size - shared.first_draft_slot
+        if not 0 <= self.domino_pure_prefix < slots:
+            raise knob_error("domino_pure_prefix", self.domino_pure_prefix, f"an integer in [0, {slots - 1}]")
+        if not 0 < self.domino_lambda_decay_ratio <= 1:
+            raise knob_error("domino_lambda_decay_ratio", self.domino_lambda_decay_ratio, "a number in (0, 1]")
+
+
+@dataclass
 class DFlash2Knobs(SelectorKnobs, ConvKnobs):
     """Conv + selector: the whole of DFlash2."""
 

@@ -17,6 +17,7 @@ ORACLE_ACCEPTED_LENGTH = "oracle_accepted_length"
 ACCEPTED_LENGTHS = (UNARY_ACCEPTED_LENGTH, REALIZED_ACCEPTED_LENGTH, ORACLE_ACCEPTED_LENGTH)
 TEACHER_FORCED_SELECTOR_ACC = "teacher_forced_selector_acc"
 UNARY_FULL_ACC = "unary_full_acc"
+FINAL_LOSS = "final_loss"  # Domino: the loss of its corrected (final) logits; `unary_loss` is its base's
 # Measured by the harness, not pooled here, but named with the others.
 DRAFT_STEP_MS = "draft_step_ms"
 NUM_ANCHORS = "num_anchors"  # anchors a validation counted (the total of the accepted-length pairs)

@@ -2,7 +2,7 @@
 its export format. Everything above `algorithms/` asks this table instead of branching on a name.
 
 Entries: DFlash; the component ablation of the DFlash2 write-up (DFlash + conv, DFlash + selector with the
-split objective, and DFlash2 = both); and the family's other members (JetSpec).
+split objective, and DFlash2 = both); and the family's other members (JetSpec, Domino).
 """
 
 from __future__ import annotations
@@ -15,10 +15,12 @@ import torch
 
 from algorithms.dflash import DFlashDraft
 from algorithms.dflash2 import DFlash2Draft
+from algorithms.domino import DominoDraft
 from algorithms.knobs import (
     ConvKnobs,
     DFlash2Knobs,
     DFlashKnobs,
+    DominoKnobs,
     SelectorKnobs,
     SharedKnobs,
     build_section,
@@ -37,6 +39,14 @@ DFLASH2_SHARED = {"block_size": 8, "loss": "kl_div", "position_weighting": "fixe
 # temperature 1 over every predicted slot alike (NeMo AutoModel's JetSpec recipe).
 JETSPEC_DEFINING = {"loss": "kl_div", "position_weighting": "uniform", "block_attention": "causal"}
 JETSPEC_SHARED = {"block_size": 16, **JETSPEC_DEFINING}
+# Domino (NeMo AutoModel's Domino recipe): block 16, CE with gamma = 7 decay, the block read from the anchor on.
+DOMINO_SHARED = {
+    "block_size": 16,
+    "loss": "ce",
+    "position_weighting": "fixed-exp-decay",
+    "decay_gamma": 7.0,
+    "sample_from_anchor": True,
+}
 
 
 @dataclass(frozen=True)
@@ -88,15 +98,6 @@ ALGORITHMS: dict[str, Algorithm] = {
             PeerFormat("dflash", "DFlashDraftModel"),
         ),
         Algorithm(
-            "jetspec",
-            DFlashDraft,
-            DFlashKnobs,
-            JETSPEC_SHARED,
-            "JetSpec: DFlash with causal in-block attention, forward KL and no position decay",
-            PeerFormat("dflash", "DFlashDraftModel"),
-            JETSPEC_DEFINING,
-        ),
-        Algorithm(
             "dflash+conv", DFlashDraft, ConvKnobs, DFLASH2_SHARED, "DFlash + grouped dynamic conv, unary decoding", None
         ),
         Algorithm(
@@ -114,6 +115,23 @@ ALGORITHMS: dict[str, Algorithm] = {
             DFLASH2_SHARED,
             "DFlash2: conv + selector",
             PeerFormat("dflash2", "DFlash2DraftModel"),
+        ),
+        Algorithm(
+            "jetspec",
+            DFlashDraft,
+            DFlashKnobs,
+            JETSPEC_SHARED,
+            "JetSpec: DFlash with causal in-block attention, forward KL and no position decay",
+            PeerFormat("dflash", "DFlashDraftModel"),
+            JETSPEC_DEFINING,
+        ),
+        Algorithm(
+            "domino",
+            DominoDraft,
+            DominoKnobs,
+            DOMINO_SHARED,
+            "Domino: DFlash + a GRU correction head over the block's previous tokens (logit delta)",
+            None,
         ),
     )
 }

@@ -18,8 +18,9 @@ from benchmarks.peers import qwen3_shape
 NEMO_DFLASH = "nemo_automodel.components.speculative.dflash"
 
 
-def nemo_backbone(ours: DFlashDraft):
-    """NeMo's Qwen3 DFlash draft with our shapes and trainable weights (the same parameter names)."""
+def nemo_backbone(ours: DFlashDraft, **dflash_config):
+    """NeMo's Qwen3 DFlash draft with our shapes and trainable weights (the same parameter names); extra
+    `dflash_config` fields switch on a head (Domino's `projector_type`, ...)."""
     from nemo_automodel.components.speculative.dflash.draft_qwen3 import (
         Qwen3DFlashDraftModel,
         build_qwen3_dflash_draft_config,
@@ -34,7 +35,11 @@ def nemo_backbone(ours: DFlashDraft):
         num_target_layers=target.num_hidden_layers,
         block_size=cfg.block_size,
         # NeMo counts aux layers from the first decoder layer (HF hidden_states index - 1), as Z Lab does
-        dflash_config={"mask_token_id": cfg.mask_token_id, "target_layer_ids": [i - 1 for i in cfg.target_layer_ids]},
+        dflash_config={
+            "mask_token_id": cfg.mask_token_id,
+            "target_layer_ids": [i - 1 for i in cfg.target_layer_ids],
+            **dflash_config,
+        },
         attention_backend="sdpa",
     )
     theirs = Qwen3DFlashDraftModel(config)
@@ -60,13 +65,20 @@ def fixed_nemo_anchors(anchors: Anchors):
         yield
 
 
-def nemo_row_inputs(row: PackedRow, head: nn.Module) -> dict:
-    """One unpacked row as NeMo's trainers take it: ids, aux features, loss mask and the target's logits."""
+def nemo_row_inputs(row: PackedRow, head: nn.Module | None = None) -> dict:
+    """One unpacked row as NeMo's trainers take it: ids, aux features, loss mask (and the target's logits, for
+    the distilling members)."""
+    inputs = dict(input_ids=row.input_ids[None], hidden_states=row.features[None], loss_mask=row.loss_mask[None])
+    if head is not None:
+        with torch.no_grad():
+            inputs["target_logits"] = head(row.target_hidden)[None]
+    return inputs
+
+
+def greedy_dataset_row(row: PackedRow, head: nn.Module) -> PackedRow:
+    """`row` with each token after the first the target's greedy choice at the position before it: the
+    greedy-regenerated data our CE assumes (CE against the target's token = CE against the dataset's)."""
     with torch.no_grad():
-        target_logits = head(row.target_hidden)
-    return dict(
-        input_ids=row.input_ids[None],
-        hidden_states=row.features[None],
-        loss_mask=row.loss_mask[None],
-        target_logits=target_logits[None],
-    )
+        greedy = head(row.target_hidden).argmax(-1)
+    row.input_ids = torch.cat([row.input_ids[:1], greedy[:-1]])
+    return row

@@ -381,6 +381,8 @@ class TrainingRecipe:
         )
         anchors, share = rank_part(self.replica, row, anchors, self.ranks)
         row, anchors = to_device(row, anchors, self.device)
+        for draft in {id(d): d for d in (self.draft, self.replica)}.values():  # validation runs on the replica
+            draft.set_training_progress(step, self.config.train.max_steps)
         with autocast(self.device, self.config.train.precision):
             output = self.draft.training_forward(row, anchors)
         self.watch.record(step + 1, output.loss.detach() * share)

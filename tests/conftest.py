@@ -32,7 +32,11 @@ def tiny_target(**overrides) -> TargetSpec:
 def tiny_config(algorithm: str, **overrides) -> AlgorithmConfig:
     config = AlgorithmConfig.preset(algorithm, mask_token_id=5, num_draft_layers=2, block_size=4, max_anchors=8)
     small = {
-        k: v for k, v in dict(conv_group_size=8, selector_rank=8, candidate_top_k=4).items() if k in config.knob_names()
+        k: v
+        for k, v in dict(
+            conv_group_size=8, selector_rank=8, candidate_top_k=4, domino_rank=8, domino_gru_size=16
+        ).items()
+        if k in config.knob_names()
     }
     return config.replace(**{**small, **overrides})
 

@@ -77,7 +77,7 @@ def documents(count: int = 6) -> list[Document]:
 
 
 def run_config(algorithm: str) -> RunConfig:
-    small = dict(conv_group_size=8, selector_rank=8, candidate_top_k=4)
+    small = dict(conv_group_size=8, selector_rank=8, candidate_top_k=4, domino_rank=8, domino_gru_size=16)
     algorithm_config = AlgorithmConfig.preset(algorithm, mask_token_id=5, num_draft_layers=2, block_size=4)
     algorithm_config = algorithm_config.replace(
         max_anchors=8,
@@ -116,7 +116,7 @@ def on_standin(*tensors: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("features", ["cache", "online"])
-@pytest.mark.parametrize("algorithm", ["dflash", "dflash2"])
+@pytest.mark.parametrize("algorithm", ["dflash", "dflash2", "jetspec", "domino"])
 def test_training_steps_run_on_the_accelerator_stand_in(algorithm, features, tmp_path):
     """Several optimizer steps (forward, the fixed-shape unary head, backward, clipping, AdamW, the schedule and
     the loss watch): every tensor on the device, and not one value read back."""

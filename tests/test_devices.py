@@ -63,7 +63,7 @@ def _greedy(model, prompt: list[int], tokens: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-@pytest.mark.parametrize("algorithm", ["dflash", "dflash2"])
+@pytest.mark.parametrize("algorithm", ["dflash", "dflash2", "jetspec", "domino"])
 def test_decoding_and_offline_replay_run_on_a_non_default_dtype(algorithm):
     """Target and draft in float64, generators from the helper on the model's device: a tensor built on the
     wrong device or dtype fails here the way it would on CUDA."""

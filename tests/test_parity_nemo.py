@@ -3,16 +3,23 @@
 import pytest
 import torch
 
+from algorithms.blocks import Anchors
 from algorithms.metrics import finalize
 
-from conftest import anchors_for, packed_row, tiny_draft
+from conftest import packed_row, tiny_draft
 
 pytest.importorskip(
     "nemo_automodel.components.speculative.dflash.jetspec_core",
     reason="nemo-automodel==0.7.0 is not installed (.ci/run installs it with --no-deps)",
 )
 
-from benchmarks.nemo_peers import fixed_nemo_anchors, frozen_modules, nemo_backbone, nemo_row_inputs
+from benchmarks.nemo_peers import (
+    fixed_nemo_anchors,
+    frozen_modules,
+    greedy_dataset_row,
+    nemo_backbone,
+    nemo_row_inputs,
+)
 
 pytestmark = pytest.mark.peer
 
@@ -20,11 +27,23 @@ BLOCK = 4
 
 
 def one_document_row():
-    """One unpacked document (NeMo's unpacked path), with anchors that leave room for a whole block."""
+    """One unpacked document (NeMo's unpacked path), with anchors that leave room for a whole block and the
+    token after it (where NeMo's shifted labels reach)."""
     row = packed_row(doc_lengths=(40,), pad=0)
-    anchors = anchors_for(row, block_size=BLOCK, max_anchors=8)
-    assert int(anchors.positions.max()) <= row.length - BLOCK and bool(anchors.valid.all())
-    return row, anchors
+    positions = torch.tensor([3, 6, 7, 14, 20, 22, 27, 35])  # overlapping blocks too; 35 + 4 < 40
+    return row, Anchors(positions, torch.ones_like(positions, dtype=torch.bool))
+
+
+def fitted(ours, row, anchors, steps: int = 25):
+    """`ours` after fitting the row for a few steps, so that drafts get accepted and the accepted lengths
+    compared below are more than the anchor alone."""
+    optimizer = torch.optim.Adam(ours.parameters(), lr=3e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        ours.training_forward(row, anchors).loss.backward()
+        optimizer.step()
+    optimizer.zero_grad()
+    return ours
 
 
 def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -39,6 +58,7 @@ def test_jetspec_matches_nemo():
     assert ours.config.causal_blocks and ours.shared.position_weighting == "uniform"
     row, anchors = one_document_row()
     head, embed = frozen_modules(ours)
+    fitted(ours, row, anchors)
     theirs = JetSpecTrainerModule(
         nemo_backbone(ours), head, embed, ours.config.mask_token_id, BLOCK, attention_backend="sdpa", num_anchors=8
     )
@@ -53,7 +73,8 @@ def test_jetspec_matches_nemo():
     for name, grad in grads(ours).items():
         assert torch.allclose(grad, their_grads[name], rtol=1e-4, atol=1e-6), name
     # NeMo's tau proxy is greedy agreement with the target's argmax: our unary accepted length
-    assert finalize(output.counts)["unary_accepted_length"] == pytest.approx(float(their.accept_len), rel=1e-5)
+    accepted = finalize(output.counts)["unary_accepted_length"]
+    assert accepted > 1.2 and accepted == pytest.approx(float(their.accept_len), rel=1e-5)
 
 
 def test_jetspec_is_dflash_with_its_defining_knobs_and_exports_as_causal():
@@ -69,3 +90,53 @@ def test_jetspec_is_dflash_with_its_defining_knobs_and_exports_as_causal():
     assert (small.block_attention, small.position_weighting, small.loss) == ("causal", "uniform", "kl_div")
     assert checkpoint_config(jetspec, "target")["dflash_config"]["causal"] is True
     assert "causal" not in checkpoint_config(dflash, "target")["dflash_config"]
+
+
+@pytest.mark.parametrize(("shifted", "pure_prefix"), [(True, 1), (False, 0)])
+def test_domino_matches_nemo(shifted, pure_prefix):
+    """Domino: base and corrected (final) losses mixed by lambda, the GRU teacher-forced on the dataset's
+    tokens; NeMo's `shift_label` is our `sample_from_anchor`, its `pure_draft_prefix_len` our pure prefix.
+    Their accepted length is teacher-forced; on a block it equals our walk's, since both stop at the first miss."""
+    from nemo_automodel.components.speculative.dflash.domino_core import DominoTrainerModule
+
+    ours = tiny_draft(
+        "domino",
+        block_size=BLOCK,
+        sample_from_anchor=shifted,
+        position_weighting="uniform",
+        domino_pure_prefix=pure_prefix,
+    )
+    head, embed = frozen_modules(ours)
+    row, anchors = one_document_row()
+    row = greedy_dataset_row(row, head)
+    ours.set_training_progress(step=3, total_steps=10)  # lambda = 1 - 3 / 5
+    assert ours.base_weight == pytest.approx(0.4)
+    fitted(ours, row, anchors)  # the delta moves off zero
+    domino = dict(projector_type="domino", emb_dim=8, gru_hidden_dim=16, pure_draft_prefix_len=pure_prefix)
+    theirs = DominoTrainerModule(
+        nemo_backbone(ours, **domino, shift_label=shifted),
+        head,
+        embed,
+        ours.config.mask_token_id,
+        BLOCK,
+        attention_backend="sdpa",
+        num_anchors=8,
+        loss_decay_gamma=None,
+        shift_label=shifted,
+    )
+    output = ours.training_forward(row, anchors)
+    output.loss.backward()
+    with fixed_nemo_anchors(anchors):
+        their = theirs(**nemo_row_inputs(row), lambda_base=0.4)
+    their.loss.backward()
+
+    mine = finalize(output.counts)
+    assert mine["loss"] == pytest.approx(float(their.loss.detach()), rel=1e-4)
+    assert mine["final_loss"] == pytest.approx(float(their.final_loss), rel=1e-4)
+    assert mine["unary_loss"] == pytest.approx(float(their.base_loss), rel=1e-4)
+    their_grads = grads(theirs.draft_model)
+    for name, grad in grads(ours).items():
+        assert torch.allclose(grad, their_grads[name], rtol=1e-3, atol=1e-6), name
+    assert mine["realized_accepted_length"] > 1.2 and mine["unary_accepted_length"] > 1.2
+    assert mine["realized_accepted_length"] == pytest.approx(float(their.accept_len), rel=1e-5)
+    assert mine["unary_accepted_length"] == pytest.approx(float(their.base_accept_len), rel=1e-5)
