@@ -121,6 +121,26 @@ def tracking_uri_left_as_found():
             os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
+# The order CI's two workers take whole files in (`--dist loadfile --no-loadscope-reorder`): the longest
+# first, by their measured times, so that no long file starts last and runs alone while the other worker
+# idles; except that the two files needing no end-to-end caches come second, to keep the other worker busy
+# while the first one builds them (the rest, short unit files, fill the end).
+FILE_ORDER = (
+    "test_studies_e2e.py",
+    "test_cli.py",
+    "test_tracking.py",
+    "test_decode_e2e.py",
+    "test_distributed.py",
+    "test_harness_e2e.py",
+    "test_gpu_check.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: place for place, name in enumerate(FILE_ORDER)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def pytest_configure(config):
     """Each pytest-xdist worker (CI runs two on two cores) computes on one thread, as do the commands it starts."""
     import os

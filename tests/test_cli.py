@@ -17,6 +17,34 @@ def _run(args, **kwargs):
     return subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, **kwargs)
 
 
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """`dflash-lab ARGS` run in this process, by the same `main` the console script calls: it returns what
+    `_run` does (returncode, stdout, stderr) without a new interpreter's imports, which are most of a
+    refusal's cost. An exception that escapes `main` fails the test with its traceback. Tests of what only a
+    real process shows (signals, the console script itself) keep `_run`."""
+    import signal
+
+    from harness.cli import main
+
+    monkeypatch.chdir(ROOT)
+
+    def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        sigterm = signal.getsignal(signal.SIGTERM)  # main installs its preemption handler
+        try:
+            code = main(list(args))
+        except SystemExit as stop:  # argparse: --help, usage errors
+            code = stop.code
+        finally:
+            signal.signal(signal.SIGTERM, sigterm)
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+    return run
+
+
 @pytest.mark.parametrize(
     "command",
     [
@@ -32,8 +60,8 @@ def _run(args, **kwargs):
         ["report"],
     ],
 )
-def test_every_command_has_help(command):
-    done = _run([*CLI, *command, "--help"])
+def test_every_command_has_help(cli, command):
+    done = cli([*command, "--help"])
     assert done.returncode == 0 and "usage: dflash-lab" in done.stdout and "-h, --help" in done.stdout
 
 
@@ -62,13 +90,13 @@ def test_bad_knob_on_the_command_line_names_knob_value_and_range():
         ("--collective-timeout", "0", "error: invalid --collective-timeout=0.0: allowed seconds > 0"),
     ],
 )
-def test_bad_rank_options_name_flag_value_and_range(tmp_path, flag, value, message):
-    done = _run([*CLI, "train", "--target", "tests/data/qwen3-8b", "--workdir", str(tmp_path), flag, value])
+def test_bad_rank_options_name_flag_value_and_range(cli, tmp_path, flag, value, message):
+    done = cli(["train", "--target", "tests/data/qwen3-8b", "--workdir", str(tmp_path), flag, value])
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == message
 
 
-def test_bad_study_file_names_the_field(tmp_path):
+def test_bad_study_file_names_the_field(cli, tmp_path):
     study = (
         (ROOT / "studies" / "search.yaml")
         .read_text()
@@ -76,7 +104,7 @@ def test_bad_study_file_names_the_field(tmp_path):
     )
     path = tmp_path / "bad.yaml"
     path.write_text(study)
-    done = _run([*CLI, "study", "launch", str(path), "--workdir", str(tmp_path)])
+    done = cli(["study", "launch", str(path), "--workdir", str(tmp_path)])
     assert (
         done.returncode != 0
         and "invalid field search_space.candidate_top_k.low/high=(16, 8): allowed numbers with low <= high"
@@ -151,8 +179,8 @@ def test_qwen3_8b_recipe_dry_run_matches_spec_shapes():
         (["--draft-vocab-size", "100"], "invalid knob draft_vocab_size=100: allowed the full verifier vocabulary"),
     ],
 )
-def test_generated_knob_flags_fail_with_one_clear_line(flags, message):
-    done = _run([*CLI, "train", *flags, "--dry-run", "--target", "tests/data/qwen3-8b"])
+def test_generated_knob_flags_fail_with_one_clear_line(cli, flags, message):
+    done = cli(["train", *flags, "--dry-run", "--target", "tests/data/qwen3-8b"])
     assert done.returncode == 2
     assert message in done.stderr
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
@@ -169,8 +197,8 @@ def test_knob_flags_carry_type_choices_and_help():
 
 
 @pytest.mark.parametrize("algorithm", ["dflash+conv", "dflash+selector"])
-def test_component_variants_dry_run_and_explain_why_they_do_not_export(algorithm):
-    done = _run([*CLI, "train", "--algorithm", algorithm, "--dry-run", "--target", "tests/data/qwen3-8b"])
+def test_component_variants_dry_run_and_explain_why_they_do_not_export(cli, algorithm):
+    done = cli(["train", "--algorithm", algorithm, "--dry-run", "--target", "tests/data/qwen3-8b"])
     assert done.returncode == 0, done.stderr[-2000:]
     plan = json.loads(done.stdout)
     assert plan["config"]["algorithm"] == algorithm
@@ -180,13 +208,13 @@ def test_component_variants_dry_run_and_explain_why_they_do_not_export(algorithm
     assert (has_conv, has_selector) == ((True, False) if algorithm == "dflash+conv" else (False, True))
 
 
-def test_config_file_sets_algorithm_and_an_explicit_flag_beats_it(tmp_path):
+def test_config_file_sets_algorithm_and_an_explicit_flag_beats_it(cli, tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("algorithm: dflash+conv\nknobs: {conv_kernel_size: 3}\ntrain: {max_steps: 7}\n")
-    common = [*CLI, "train", "--config", str(config), "--dry-run", "--target", "tests/data/qwen3-8b"]
-    plan = json.loads(_run(common).stdout)["config"]
+    common = ["train", "--config", str(config), "--dry-run", "--target", "tests/data/qwen3-8b"]
+    plan = json.loads(cli(common).stdout)["config"]
     assert (plan["algorithm"], plan["knobs"]["conv_kernel_size"], plan["train"]["max_steps"]) == ("dflash+conv", 3, 7)
-    plan = json.loads(_run([*common, "--conv-kernel-size", "2", "--max-steps", "9"]).stdout)["config"]
+    plan = json.loads(cli([*common, "--conv-kernel-size", "2", "--max-steps", "9"]).stdout)["config"]
     assert (plan["knobs"]["conv_kernel_size"], plan["train"]["max_steps"]) == (2, 9)
 
 
@@ -289,7 +317,7 @@ BAD_FILES = {
     ],
 )
 def test_bad_input_ends_in_one_error_line_exit_2_and_leaves_the_workdir_alone(
-    populated_workdir, tmp_path, args, env, message
+    cli, populated_workdir, tmp_path, args, env, message
 ):
     import shutil
 
@@ -300,7 +328,7 @@ def test_bad_input_ends_in_one_error_line_exit_2_and_leaves_the_workdir_alone(
         (files / name).write_text(text)
     before = _fingerprint(workdir)
     assert before["runs"] and before["metric_rows"] == [(3,)] and before["trials"]
-    done = _run([*CLI, *(arg.format(files=files) for arg in args), "--workdir", str(workdir)], env=env)
+    done = cli([*(arg.format(files=files) for arg in args), "--workdir", str(workdir)], env=env)
     assert done.returncode == 2, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr[-2000:]
