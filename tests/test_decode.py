@@ -87,6 +87,37 @@ def test_dflash2_rejection_sampling_with_realized_selector_rows_is_lossless():
     assert second.sum() > 2000 and chi_square(second, target[1]) < CHI2_CRITICAL_DF11_P001
 
 
+def test_domino_rejection_sampling_with_walked_rows_is_lossless():
+    """q of each slot is Domino's corrected distribution given the tokens drawn before it in the block."""
+    from algorithms import build_draft
+
+    from conftest import HIDDEN, tiny_config, tiny_target
+
+    torch.manual_seed(0)
+    embed, head = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    config = tiny_config("domino", block_size=3, domino_pure_prefix=0)
+    draft = build_draft(config, tiny_target(vocab_size=VOCAB), embed, head)
+    with torch.no_grad():
+        # a delta that depends strongly on the drawn tokens
+        for weight, std in ((draft.embed_proj[2].weight, 3.0), (draft.embed_proj[0].weight, 1.0)):
+            weight.normal_(std=std)
+        draft.prefix_gru.weight_ih_l0.normal_(std=1.0)
+        generator = torch.Generator().manual_seed(4)
+        hidden = torch.randn(1, 2, HIDDEN, generator=generator).expand(DRAWS, -1, -1)
+        base = torch.randn(1, 2, VOCAB, generator=generator).expand(DRAWS, -1, -1)
+        tokens, probs = draft.walk(base, hidden, torch.full((DRAWS,), 5), 1.0, generator)
+    assert float((probs[:, 1] - probs[0, 1]).abs().max()) > 0.5, "slot 2's q depends on slot 1's draw"
+    target = _target(3)
+    first, second = torch.zeros(VOCAB), torch.zeros(VOCAB)
+    for n in range(DRAWS):
+        verdict = verify_sampled(target, Proposal(tokens[n], probs[n], None), generator)
+        first[int(tokens[n, 0]) if verdict.accepted >= 1 else verdict.bonus] += 1
+        if verdict.accepted >= 1:
+            second[int(tokens[n, 1]) if verdict.accepted >= 2 else verdict.bonus] += 1
+    assert chi_square(first, target[0]) < CHI2_CRITICAL_DF11_P001
+    assert second.sum() > 2000 and chi_square(second, target[1]) < CHI2_CRITICAL_DF11_P001
+
+
 def test_unary_softmax_as_q_would_not_be_lossless():
     """The test has teeth: verifying DFlash2 drafts against the unary softmax breaks the distribution."""
     walks, unary, generator = _selector_walks(3.0)
