@@ -304,6 +304,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     log_evaluation(run, metrics, records)
     for name in (
         "measured_accepted_length_greedy",
+        "measured_accepted_length_greedy_accepted_per_verified",
         "measured_accepted_length_t1",
         "chat_offline_realized_accepted_length",
         "chat_offline_realized_accepted_length_replayed",

@@ -63,6 +63,7 @@ class DecodeStats:
 
     tokens: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)  # tau per cycle, verified token included
+    verified_tokens: list[int] = field(default_factory=list)  # tokens the target verified per cycle (anchor + drafts)
     slot_attempts: list[int] = field(default_factory=list)  # cycles in which slot i was reached
     slot_accepts: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
@@ -146,6 +147,7 @@ def speculative_generate(
         produced = stopped or produced
         stats.tokens += committed[:produced]
         stats.acceptance_lengths.append(produced)  # tokens this cycle committed (Z Lab's convention at the end too)
+        stats.verified_tokens.append(block.shape[1])
         rejected = cache.get_seq_length() - (start + verdict.accepted + 1)
         if rejected > 0:
             cache.crop(-rejected)  # keep the anchor and accepted drafts; drop rejected positions

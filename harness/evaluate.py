@@ -69,6 +69,10 @@ def summarize(runs: list[DecodeStats], prefix: str) -> dict[str, float]:
         f"{prefix}": per_request.value,
         f"{prefix}_pooled": sum(sum(r.acceptance_lengths) for r in runs) / max(1, cycles),
         f"{prefix}_requests_without_cycles": float(len(runs) - len(with_cycles)),
+        # What a verification buys: committed tokens per token the target verified. A member that verifies the
+        # whole block every cycle sets the baseline a confidence-scheduled (shortened) block is compared with.
+        f"{prefix}_accepted_per_verified": sum(sum(r.acceptance_lengths) for r in runs)
+        / max(1, sum(sum(r.verified_tokens) for r in runs)),
     }
     if math.isfinite(per_request.se):
         metrics[se_name(prefix)] = per_request.se

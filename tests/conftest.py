@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -196,6 +197,11 @@ def e2e_workspace(e2e_workdir, tmp_path_factory):
     return prepare_workspace(e2e_run_config(), e2e_workdir)
 
 
+# The members the learning and lossless end-to-end tests train; DFLASH_LAB_FAMILY_E2E=1 adds the family's
+# other members (two more 60-step trainings and decodes: past CI's time budget).
+E2E_MEMBERS = ("dflash2", "dflash") + (("jetspec", "domino") if os.environ.get("DFLASH_LAB_FAMILY_E2E") else ())
+
+
 @pytest.fixture(scope="session")
 def trained(e2e_workspace):
     """60 steps of the small preset per algorithm on real data (shared by the learning and decoding tests)."""
@@ -207,7 +213,7 @@ def trained(e2e_workspace):
             e2e_workspace,
             run_name=f"learns-{algorithm}",
         )
-        for algorithm in ("dflash2", "dflash")
+        for algorithm in E2E_MEMBERS
     }
 
 

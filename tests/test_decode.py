@@ -139,6 +139,7 @@ def test_requests_without_a_cycle_are_excluded_from_the_per_request_mean_and_cou
         return DecodeStats(
             tokens=[1] * max(1, sum(lengths)),
             acceptance_lengths=lengths,
+            verified_tokens=[4] * len(lengths),  # anchor + 3 drafts every cycle
             slot_attempts=slots,
             slot_accepts=slots,
             draft_seconds=0.1,
@@ -151,4 +152,5 @@ def test_requests_without_a_cycle_are_excluded_from_the_per_request_mean_and_cou
     assert metrics["m"] == pytest.approx((3.0 + 3.0) / 2)  # not (3 + 3 + 0) / 3
     assert metrics["m_pooled"] == pytest.approx(9 / 3)
     assert metrics["m_requests_without_cycles"] == 1
+    assert metrics["m_accepted_per_verified"] == pytest.approx(9 / 12)  # 9 committed over 3 cycles x 4 verified
     assert math.isnan(stats([]).mean_acceptance_length)

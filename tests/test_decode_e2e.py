@@ -15,6 +15,8 @@ from harness import tracking
 from harness.decode import speculative_generate, target_greedy
 from harness.evaluate import mtbench_questions, prompt_ids
 
+from conftest import E2E_MEMBERS
+
 pytestmark = pytest.mark.slow
 # 4 prompts x 64 tokens reach well over a hundred verify cycles and accepted drafts per algorithm in CI; the
 # full 20 x 128 check (10 minutes on the 2-core machine) runs with DFLASH_LAB_FULL_LOSSLESS=1.
@@ -30,7 +32,7 @@ def mtbench_references(e2e_workspace):
     return prompts, target_greedy(e2e_workspace.target.model, tokenizer, prompts, MAX_NEW_TOKENS, stop)
 
 
-@pytest.mark.parametrize("algorithm", ["dflash2", "dflash"])
+@pytest.mark.parametrize("algorithm", E2E_MEMBERS)
 def test_training_raises_validation_acceptance_above_untrained(trained, algorithm):
     """60 steps lift realized acceptance above the untrained value by more than the final validation's noise.
 
@@ -50,7 +52,7 @@ def test_training_raises_validation_acceptance_above_untrained(trained, algorith
     assert final["loss"] < untrained["loss"] / 2
 
 
-@pytest.mark.parametrize("algorithm", ["dflash2", "dflash"])
+@pytest.mark.parametrize("algorithm", E2E_MEMBERS)
 def test_greedy_speculative_decoding_is_lossless_on_mtbench(e2e_workspace, trained, mtbench_references, algorithm):
     prompts, references = mtbench_references
     draft = trained[algorithm].draft
