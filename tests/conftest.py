@@ -106,7 +106,6 @@ def link_caches(workdir, source) -> None:
 def tracking_uri_left_as_found():
     """Every test starts with the MLFLOW_TRACKING_URI it found: MLflow exports a URI it is given to the
     environment, and in a shared pytest-xdist worker one test's store would become the next one's."""
-    import os
 
     import mlflow
 
@@ -144,7 +143,6 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     """Each pytest-xdist worker (CI runs two on two cores) computes on one thread, as do the commands it starts."""
-    import os
 
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["OMP_NUM_THREADS"] = "1"
@@ -171,7 +169,6 @@ def e2e_run_config(algorithm: str = "dflash2", **train_overrides):
 @pytest.fixture(scope="session")
 def e2e_workdir(tmp_path_factory):
     """One work directory per session (DFLASH_LAB_TEST_WORKDIR reuses one across sessions)."""
-    import os
     from pathlib import Path
 
     reuse = os.environ.get("DFLASH_LAB_TEST_WORKDIR")
@@ -183,7 +180,6 @@ def e2e_workspace(e2e_workdir, tmp_path_factory):
     """The target, data and features of e2e_run_config. Under pytest-xdist the caches are built once, by the
     first worker to get here (the others wait on a lock), and linked into every worker's work directory."""
     import fcntl
-    import os
 
     from harness.train import prepare_workspace
 
@@ -228,7 +224,6 @@ def free_port() -> int:
 @contextlib.contextmanager
 def mlflow_server(backend_store_uri: str, *options: str):
     """A real `mlflow server` on a free local port, in its own process group; yields (url, process)."""
-    import os
     import signal
     import subprocess
     import sys
