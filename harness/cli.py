@@ -427,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         Preempted,
         RankStopped,
         exit_quietly_on_sigterm,
+        job_stopping,
         stop_on_preemption,
     )
 
@@ -466,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"error: {message}", file=sys.stderr)
         return 2
+    except Exception:
+        if job_stopping():  # a collective failed because a peer rank was stopped first: the launcher speaks
+            return SIGTERM_EXIT
+        raise
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from harness.files import remove
-from harness.preemption import LAUNCHED_RUN_ENV, RankStopped
+from harness.preemption import JOB_STOPPING_ENV, LAUNCHED_RUN_ENV, RankStopped
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,9 @@ def run_ranks(
     small files in `scratch` (the work directory) carry back which rank failed and which run rank 0 started,
     so the launcher can record a run whose rank 0 died without a word."""
     scratch.mkdir(parents=True, exist_ok=True)
-    failure, launched = (scratch / f".{kind}-{os.getpid()}.json" for kind in ("rank-failure", "launched-run"))
+    failure, launched, stopping = (
+        scratch / f".{kind}-{os.getpid()}.json" for kind in ("rank-failure", "launched-run", "job-stopping")
+    )
     threads = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
     environment = {
         "OMP_NUM_THREADS": threads,
@@ -111,6 +113,7 @@ def run_ranks(
         **(env or {}),
         RANK_FAILURE_ENV: str(failure),
         LAUNCHED_RUN_ENV: str(launched),
+        JOB_STOPPING_ENV: str(stopping),
     }
     command = [sys.executable, "-m", "harness.torchrun_launch", "--standalone", f"--nproc-per-node={nproc_per_node}"]
     command += ["-m", module, *args]
@@ -124,6 +127,7 @@ def run_ranks(
         try:
             status = job.wait()
         except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM to the launcher: the job stops, recorded as such
+            stopping.touch()
             stop_job(job)
             from harness.run import Run  # here: the parser and the ranks import this module without MLflow
             from harness.tracking import RunStatus
@@ -135,8 +139,8 @@ def run_ranks(
         lost = json.loads(failure.read_text())["reason"] if failure.exists() else None
         directory = started_run()
     finally:
-        remove(failure)
-        remove(launched)
+        for scratch_file in (failure, launched, stopping):
+            remove(scratch_file)
     return RanksExit(status, lost, directory)
 
 

@@ -24,7 +24,7 @@ import torch
 
 from harness import tracking
 from harness.files import atomic_write
-from harness.preemption import LAUNCHED_RUN_ENV, Preempted
+from harness.preemption import LAUNCHED_RUN_ENV, Preempted, deferring_preemption
 from harness.tracking import RunStatus
 
 log = logging.getLogger(__name__)
@@ -183,6 +183,7 @@ class Run:
 
     # ---- MLflow lifecycle -----------------------------------------------------------------------
 
+    @deferring_preemption
     def start(self, tags: dict[str, str], parent_run_id: str | None = None) -> str:
         """Start the MLflow run, or resume it when `run_id` is set (a resumed run keeps its tags)."""
         experiment_id = tracking.configure(self.workdir, self.experiment)
@@ -213,6 +214,7 @@ class Run:
         record = json.loads((directory / RUN_FILE).read_text())
         return cls(directory.parent.parent, record["name"], record["experiment"], record["run_id"])
 
+    @deferring_preemption
     def record_ending(self, status: RunStatus, reason: str, *, unless_ended: bool = True) -> bool:
         """Record how the run ended from outside the process that trained it (its launcher); with `unless_ended`
         only if no process recorded an end (rank 0 was killed). Whether it recorded."""
@@ -270,6 +272,7 @@ class Run:
         if stack:
             stack.pop()
 
+    @deferring_preemption
     def end(self, status: RunStatus, reason: str | None = None) -> None:
         """Record how the run ended; a run that did not finish says so in its description too."""
         tags = ending_tags(status, reason) if reason else {tracking.TAG_STATUS: status.value}
@@ -280,18 +283,22 @@ class Run:
         mlflow.set_tags(tags)
         mlflow.end_run(status=status.mlflow_status)
 
+    @deferring_preemption
     def log_params(self, params: dict) -> None:
         """In batches: MLflow caps one call at 100 params."""
         items = sorted(tracking.stringified(params).items())
         for start in range(0, len(items), 100):
             mlflow.log_params(dict(items[start : start + 100]))
 
+    @deferring_preemption
     def log_metrics(self, values: dict[str, float], prefix: str, step: int) -> None:
         mlflow.log_metrics(tracking.prefixed(values, prefix), step=step)
 
+    @deferring_preemption
     def log_file(self, path: Path) -> None:
         mlflow.log_artifact(str(path))
 
+    @deferring_preemption
     def log_figure(self, figure, file_name: str) -> None:
         """Log a matplotlib figure, then release it."""
         import matplotlib.pyplot as plt
@@ -299,14 +306,17 @@ class Run:
         mlflow.log_figure(figure, file_name)
         plt.close(figure)
 
+    @deferring_preemption
     def tag_world_size(self, world_size: int) -> None:
         """The data-parallel ranks of the latest (re)start: a tag, since a resume may change it."""
         mlflow.set_tag(tracking.TAG_WORLD_SIZE, str(world_size))
 
+    @deferring_preemption
     def describe(self, text: str) -> None:
         """The one line the runs table shows in its Description column."""
         mlflow.set_tag(tracking.TAG_NOTE, text)
 
+    @deferring_preemption
     def log_datasets(self, name: str, digest: str, source: Path, contexts: tuple[str, ...]) -> None:
         """The data as MLflow datasets (the UI's Dataset column and filter), one input per context; the name
         carries the context because MLflow keeps one input per (name, digest)."""
@@ -319,6 +329,7 @@ class Run:
         for context in contexts:
             mlflow.log_input(MetaDataset(dataset_source, name=f"{name}/{context}", digest=digest), context=context)
 
+    @deferring_preemption
     def log_checkpoint(self) -> None:
         """The checkpoint as an artifact when small, and its path as a tag always."""
         if self.checkpoint_path.stat().st_size < ARTIFACT_CHECKPOINT_LIMIT:
