@@ -36,6 +36,7 @@ class Sizes:
     """What each step runs: the real check, or the toy dry run that keeps the script from rotting."""
 
     data: tuple[str, ...]
+    precision: str  # of the training step
     train_steps: int
     sync_steps: int  # training steps counted under the sync debug mode, after two warm-up steps
     prompts: int
@@ -47,6 +48,7 @@ class Sizes:
 
 REAL = Sizes(
     data=(),
+    precision="bf16",
     train_steps=100,
     sync_steps=10,
     prompts=5,
@@ -59,6 +61,7 @@ DRY = Sizes(
     # the end-to-end tests' data: a CI run reuses their cache
     data=("--num-conversations", "40", "--num-validation", "8", "--max-new-tokens", "48", "--max-length", "192")
     + ("--row-length", "512"),
+    precision="auto",  # fp32 on a CPU without native bf16, where emulated bf16 is ten times slower
     train_steps=4,
     sync_steps=1,
     prompts=1,
@@ -100,7 +103,7 @@ class Check:
     def train(self, algorithm: str = "dflash2", run_name: str = RUN_NAME) -> dict:
         steps = str(self.sizes.train_steps)
         every = str(max(1, self.sizes.train_steps // 2))
-        args = ["train", *self.common, *self.inputs, "--algorithm", algorithm, "--precision", "bf16"]
+        args = ["train", *self.common, *self.inputs, "--algorithm", algorithm, "--precision", self.sizes.precision]
         args += ["--max-steps", steps, "--eval-every", every, "--checkpoint-every", every, "--run-name", run_name]
         run_dir = self.workdir / "runs" / run_name
         if run_dir.exists():
