@@ -93,6 +93,11 @@ def block_indices(anchor_positions: torch.Tensor, block_size: int) -> torch.Tens
     return (anchor_positions[:, None] + offsets[None, :]).reshape(-1)
 
 
+def draft_slots(flat: torch.Tensor, block_size: int, first_slot: int) -> torch.Tensor:
+    """Per-row values [M, ...] (M = N blocks x B slots) as [N, S, ...] over the draft slots first_slot .. B-1."""
+    return flat.view(-1, block_size, *flat.shape[1:])[:, first_slot:]
+
+
 def target_indices(
     anchor_positions: torch.Tensor, block_size: int, length: int, sample_from_anchor: bool
 ) -> torch.Tensor:

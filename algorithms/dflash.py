@@ -15,10 +15,12 @@ from algorithms.blocks import (
     aligned_loss_mask,
     attention_tiles,
     block_indices,
+    draft_slots,
     target_indices,
 )
 from algorithms.metrics import MetricCounts, path_counts, pool, scalar_counts, unary_counts
 from algorithms.modeling import DraftBackbone, DraftConfig
+from algorithms.sampling import draw
 from algorithms.unary_head import UnaryHead, UnaryObjective, unary_head
 
 # Queries per block-sparse attention tile: small enough to skip most of the dense mask, large enough
@@ -119,6 +121,14 @@ class DFlashDraft(DraftBackbone):
         block_tokens = row.input_ids[flat].view(-1, size)
         return BlockForward(hidden, head, loss_mask, block_tokens, row.target_hidden[target_rows])
 
+    @property
+    def first_slot(self) -> int:
+        return self.shared.first_draft_slot
+
+    def draft_slots(self, flat: torch.Tensor) -> torch.Tensor:
+        """Per-row values [M, ...] as [N, S, ...] over this draft's predicted slots."""
+        return draft_slots(flat, self.block_size, self.first_slot)
+
     def set_training_progress(self, step: int, total_steps: int) -> None:
         """Told before each training step; a member whose objective follows a schedule reads it here."""
 
@@ -150,10 +160,8 @@ class DFlashDraft(DraftBackbone):
 
     def objective(self, out: BlockForward) -> tuple[torch.Tensor, MetricCounts]:
         """DFlash's loss is the unary loss; its realized path is the unary argmax path."""
-        first = self.shared.first_draft_slot
-        blocks = lambda x: x.view(-1, self.block_size)[:, first:]  # noqa: E731
-        correct = blocks(out.head.stats.draft_ids == out.head.stats.target_ids)
-        return out.head.loss, path_counts("realized", correct, blocks(out.mask > 0), first)
+        correct = self.draft_slots(out.head.stats.draft_ids == out.head.stats.target_ids)
+        return out.head.loss, path_counts("realized", correct, self.draft_slots(out.mask > 0), self.first_slot)
 
     @torch.no_grad()
     def propose(
@@ -196,7 +204,4 @@ class DFlashDraft(DraftBackbone):
         self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int, temperature: float, generator
     ) -> Proposal:
         """Proposals from the draft slots' hidden states and transformed unary logits."""
-        if temperature > 0:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            return Proposal(torch.multinomial(probs, 1, generator=generator).squeeze(-1), probs, None)
-        return Proposal(logits.argmax(-1), None, None)
+        return Proposal(*draw(logits, temperature, generator), None)

@@ -89,12 +89,11 @@ class DFlash2Draft(DFlashDraft):
         )
 
         with torch.no_grad():
-            blocks = lambda x: x.detach().view(-1, size, *x.shape[1:])[:, first:]  # noqa: E731
             walk = selector.walk_projected(
-                blocks(stats.candidate_logits),
-                blocks(stats.candidate_ids),
-                blocks(projected),
-                blocks(successors[:, :top_k]),
+                self.draft_slots(stats.candidate_logits),
+                self.draft_slots(stats.candidate_ids),
+                self.draft_slots(projected),
+                self.draft_slots(successors[:, :top_k]),
                 out.block_tokens[:, 0],
             )
             injected_logprobs = replace_weakest(stats.target_candidate_logprobs, stats.target_max_logprobs, present)

@@ -20,6 +20,7 @@ from algorithms.dflash import BlockForward, DFlashDraft, Proposal
 from algorithms.knobs import DominoKnobs
 from algorithms.metrics import FINAL_LOSS, MetricCounts, path_counts, pool, scalar_counts
 from algorithms.modeling import DraftConfig
+from algorithms.sampling import draw
 
 if TYPE_CHECKING:
     from algorithms.registry import AlgorithmConfig
@@ -48,14 +49,15 @@ class DominoDraft(DFlashDraft):
             nn.Linear(knobs.domino_rank, vocab, bias=False),
         )
         self.base_weight = 1.0  # lambda; `set_training_progress` moves it
-        self._zero_delta()
+        self._init_delta()
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
         self.prefix_gru.reset_parameters()
-        self._zero_delta()
+        self._init_delta()
 
-    def _zero_delta(self) -> None:
+    def _init_delta(self) -> None:
+        """The projection's first layer small, its last zero: the delta is zero until training moves it."""
         nn.init.normal_(self.embed_proj[0].weight, std=0.02)
         nn.init.zeros_(self.embed_proj[2].weight)
 
@@ -92,11 +94,9 @@ class DominoDraft(DFlashDraft):
         )
         loss = (1.0 - self.base_weight) * final_loss + self.base_weight * out.head.loss
         with torch.no_grad():
-            first, size = self.shared.first_draft_slot, self.block_size
-            blocks = lambda x: x.view(-1, size, *x.shape[1:])[:, first:]  # noqa: E731
-            walked = self.walk(blocks(base_logits.detach()), blocks(out.hidden.detach()), out.block_tokens[:, 0])
-            correct = walked == blocks(out.head.stats.target_ids)
-            counts = path_counts("realized", correct, blocks(out.mask > 0), first)
+            walked, _ = self.walk(self.draft_slots(base_logits), self.draft_slots(out.hidden), out.block_tokens[:, 0])
+            correct = walked == self.draft_slots(out.head.stats.target_ids)
+            counts = path_counts("realized", correct, self.draft_slots(out.mask > 0), self.first_slot)
         pool(counts, scalar_counts({FINAL_LOSS: final_loss}, out.mask.sum()))
         return loss, counts
 
@@ -107,38 +107,29 @@ class DominoDraft(DFlashDraft):
         anchors: torch.Tensor,  # [N] the blocks' anchor tokens: what the first slot's GRU step reads
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Self-conditioned drafting: slot by slot, each drawn token is the next GRU input (the pure-prefix
-        slots' too, though their logits stay the base ones). Returns the tokens [N, S] (and, at T > 0, the
-        distributions [N, S, V] they were drawn from)."""
+        slots' too, though their logits stay the base ones). Returns the tokens [N, S] and, at T > 0, the
+        distributions [N, S, V] they were drawn from (None at T = 0)."""
         corrected = self.knobs.domino_pure_prefix
         read, state = anchors, None
-        tokens, probs = [], []
+        tokens, rows = [], []
         for slot in range(base_logits.shape[1]):
             logits = base_logits[:, slot]
             output, state = self.prefix_gru(self.embed_weight[read][:, None].to(hidden.dtype), state)
             if slot >= corrected:
                 delta = self.embed_proj(torch.cat([hidden[:, slot], output[:, 0].to(hidden.dtype)], dim=-1))
                 logits = logits + delta.float()
-            if temperature > 0:
-                distribution = torch.softmax(logits / temperature, dim=-1)
-                token = torch.multinomial(distribution, 1, generator=generator).squeeze(-1)
-                probs.append(distribution)
-            else:
-                token = logits.argmax(-1)
-            tokens.append(token)
-            read = token
-        if temperature > 0:
-            return torch.stack(tokens, 1), torch.stack(probs, 1)
-        return torch.stack(tokens, 1)
+            read, probs = draw(logits, temperature, generator)
+            tokens.append(read)
+            if probs is not None:
+                rows.append(probs)
+        return torch.stack(tokens, 1), torch.stack(rows, 1) if rows else None
 
     def propose_from_hidden(
         self, hidden: torch.Tensor, logits: torch.Tensor, anchor_id: int, temperature: float, generator
     ) -> Proposal:
         """The walk for one block; at T > 0 each slot's distribution is conditioned on the tokens drawn before."""
         anchor = torch.tensor([anchor_id], device=hidden.device)
-        walked = self.walk(logits[None], hidden[None], anchor, temperature, generator)
-        if temperature > 0:
-            tokens, probs = walked
-            return Proposal(tokens[0], probs[0], None)
-        return Proposal(walked[0], None, None)
+        tokens, probs = self.walk(logits[None], hidden[None], anchor, temperature, generator)
+        return Proposal(tokens[0], None if probs is None else probs[0], None)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from algorithms.blocks import draft_slots
 from algorithms.unary_head import RowStatistics
 
 PATHS = ("unary", "realized", "oracle")
@@ -115,7 +116,7 @@ def unary_counts(stats: RowStatistics, mask: torch.Tensor, block_size: int, firs
         counts[unary_position_acc_name(slot)] = _pair((unary_correct * at_slot).sum(), at_slot.sum())
         counts[recall_position_name(slot)] = _pair((in_candidates * at_slot).sum(), at_slot.sum())
 
-    blocks = lambda x: x.view(-1, block_size)[:, first_slot:]  # noqa: E731
+    blocks = lambda x: draft_slots(x, block_size, first_slot)  # noqa: E731
     block_valid = blocks(valid)
     counted = block_valid.any(-1)
     tv_length = 1.0 + (blocks(stats.overlap.double() * weight)).cumprod(-1).sum(-1)
@@ -148,7 +149,7 @@ def selector_counts(
     selector_alpha = torch.minimum(stats.target_candidate_logprobs.exp(), selector_probs).sum(-1)
     injected_mass = injected_target_logprobs.exp().sum(-1)
 
-    blocks = lambda x: x.view(-1, block_size)[:, first_slot:]  # noqa: E731
+    blocks = lambda x: draft_slots(x, block_size, first_slot)  # noqa: E731
     counts: MetricCounts = {
         TEACHER_FORCED_SELECTOR_ACC: _pair((selector_hit * weight).sum(), (in_candidates * weight).sum()),
         "teacher_forced_selector_hit_rate": _pair((selector_hit * weight).sum(), weight.sum()),

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from algorithms.sampling import draw
+
 
 class CandidateSelector(nn.Module):
     """score(p, c) = U[c] + sum_r A[p, r] (W_h h)_r S[c, r]."""
@@ -94,12 +96,9 @@ class CandidateSelector(nn.Module):
             score = candidate_unary[:, slot].float() + self.transition(
                 projected_hidden[:, slot], previous, successors[:, slot]
             )
-            if temperature > 0:
-                probs = torch.softmax(score / temperature, dim=-1)
-                choice = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+            choice, probs = draw(score, temperature, generator)
+            if probs is not None:
                 rows.append(probs)
-            else:
-                choice = score.argmax(-1)
             previous = candidate_ids[:, slot].gather(-1, choice[:, None]).squeeze(-1)
             tokens.append(previous)
         return SelectorPath(

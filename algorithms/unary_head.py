@@ -209,12 +209,10 @@ def _target_logprobs(
 ) -> torch.Tensor:
     """fp32 target log-probs for each row. Compacting, rows shared by overlapping blocks go through the head
     once; on an accelerator every row does, since `unique`'s output size would have to be read back."""
-    if not compact:
-        hidden = target_hidden[rows].to(compute_head.dtype)
-        return torch.log_softmax(logit_transform(F.linear(hidden, compute_head).float()), dim=-1)
-    unique_rows, inverse = torch.unique(rows, return_inverse=True)
+    unique_rows, inverse = torch.unique(rows, return_inverse=True) if compact else (rows, None)
     logits = logit_transform(F.linear(target_hidden[unique_rows].to(compute_head.dtype), compute_head).float())
-    return torch.log_softmax(logits, dim=-1)[inverse]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs if inverse is None else logprobs[inverse]
 
 
 def _empty_statistics(rows: int, top_k: int, device: torch.device) -> RowStatistics:
