@@ -189,7 +189,6 @@ class Check:
         with counted_syncs() as training:
             for step in range(2, 2 + self.sizes.sync_steps):
                 recipe.step(step)
-            torch.cuda.current_stream(self.device).query()  # not a sync: ends the window without waiting
         target, draft = workspace.target, restore_draft(state, workspace.target, self.device)
         prompt = prompt_ids(target.tokenizer, mtbench_questions(1)[0])
         stop = {target.tokenizer.eos_token_id}

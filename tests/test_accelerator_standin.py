@@ -27,7 +27,6 @@ import pytest
 import torch
 
 import algorithms.unary_head as unary_head
-from algorithms import AlgorithmConfig
 from harness import devices, train
 from harness.config import RunConfig
 from harness.data import Document
@@ -35,7 +34,7 @@ from harness.features import OnlineFeatures, batch_features, final_dtype, packed
 from harness.train import LossWatch, TrainingRecipe, Workspace
 from harness.validation import subset_counts
 
-from conftest import HIDDEN, TARGET_LAYERS, VOCAB, tiny_target
+from conftest import HIDDEN, TARGET_LAYERS, VOCAB, tiny_config, tiny_target
 
 STANDIN = "meta"
 STEPS = 3  # the optimizer's state exists from the first step; later steps use it
@@ -77,14 +76,10 @@ def documents(count: int = 6) -> list[Document]:
 
 
 def run_config(algorithm: str) -> RunConfig:
-    small = dict(conv_group_size=8, selector_rank=8, candidate_top_k=4, domino_rank=8, domino_gru_size=16)
-    algorithm_config = AlgorithmConfig.preset(algorithm, mask_token_id=5, num_draft_layers=2, block_size=4)
-    algorithm_config = algorithm_config.replace(
-        max_anchors=8,
-        target_layer_ids=algorithm_config.shared.resolve_target_layer_ids(TARGET_LAYERS),
-        **{k: v for k, v in small.items() if k in algorithm_config.knob_names()},
-    )
-    config = RunConfig(algorithm_config)
+    """The unit tests' tiny config, its target layers pinned as a recipe pins them."""
+    algorithm_config = tiny_config(algorithm)
+    layers = algorithm_config.shared.resolve_target_layer_ids(TARGET_LAYERS)
+    config = RunConfig(algorithm_config.replace(target_layer_ids=layers))
     config.train.max_steps, config.train.precision = STEPS, "auto"
     return config
 
