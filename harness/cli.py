@@ -445,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as stop:
         if isinstance(stop, Preempted):
             print(
-                "error: terminated (SIGTERM); recorded as interrupted: `train ... --resume` continues the run, "
-                "launching the study again resumes its trial",
+                "error: terminated (SIGTERM); finished work is kept: a run is recorded interrupted "
+                "(`train ... --resume` continues it) and launching a study again resumes its trial",
                 file=sys.stderr,
             )
             return SIGTERM_EXIT

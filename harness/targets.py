@@ -9,6 +9,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -188,18 +189,23 @@ def native_dtype(config) -> str:
 
 def target_config(name_or_path: str, cache_dir: Path):
     """The target's HF config alone (no weights): for dry runs and shape checks."""
-    from transformers import AutoConfig
-
     if name_or_path in EMBEDDED_TARGETS:
         converted = cache_dir / "targets" / name_or_path
         if (converted / "config.json").exists():
-            return AutoConfig.from_pretrained(converted)
+            # Written by our own conversion (save_pretrained keeps every field of the model's config class), so
+            # its JSON holds all that target_spec reads; parsing it skips importing transformers, which is most
+            # of a study launch's start-up.
+            return SimpleNamespace(**json.loads((converted / "config.json").read_text()))
+        from transformers import AutoConfig
+
         gguf = embedded_gguf_path(name_or_path)
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     allowed = (
         f"one of the embedded targets {list(EMBEDDED_TARGETS)}, a local HF model directory with config.json, "
         "or a hub id this machine can reach"
     )
+    from transformers import AutoConfig
+
     path = Path(name_or_path)
     if path.is_dir() and not (path / "config.json").exists():
         raise FileNotFoundError(

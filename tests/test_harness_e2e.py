@@ -48,6 +48,19 @@ def test_embedded_target_is_real(e2e_workspace):
     assert "Paris" in target.tokenizer.decode(out[0, encoded["input_ids"].shape[1] :])
 
 
+def test_the_converted_targets_config_reads_as_transformers_reads_it(e2e_workspace, e2e_workdir):
+    """Dry runs and study launches parse the converted target's config.json without transformers."""
+    from transformers import AutoConfig
+
+    from harness.targets import native_dtype, target_config, target_spec
+
+    parsed = target_config("smollm2-135m", e2e_workdir)
+    loaded = AutoConfig.from_pretrained(e2e_workdir / "targets" / "smollm2-135m")
+    assert not isinstance(parsed, type(loaded)), "the converted target's config must be parsed, not loaded"
+    assert target_spec(parsed, "smollm2-135m") == target_spec(loaded, "smollm2-135m") == e2e_workspace.target.spec
+    assert native_dtype(parsed) == native_dtype(loaded)
+
+
 def test_loss_mask_covers_assistant_tokens_only(e2e_workspace):
     tokenizer = e2e_workspace.target.tokenizer
     conversation = [
