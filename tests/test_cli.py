@@ -336,14 +336,18 @@ def test_bad_input_ends_in_one_error_line_exit_2_and_leaves_the_workdir_alone(
     assert _fingerprint(workdir) == before
 
 
-def test_ctrl_c_ends_with_one_line_and_exit_130(tmp_path):
-    """Ctrl-C while `prepare` regenerates the data (a Python loop, so the interrupt lands within a batch).
+@pytest.mark.slow
+def test_ctrl_c_ends_with_one_line_and_exit_130(e2e_workspace, e2e_workdir, tmp_path):
+    """Ctrl-C while `prepare` regenerates the data (a Python loop, so the interrupt lands within a batch), in a
+    work directory that shares only the end-to-end tests' converted target (so the data is regenerated).
 
     The command starts with SIGINT at its default: a test run started in the background of a script inherits
     SIGINT ignored (as shells start background jobs), and Python then never turns it into KeyboardInterrupt."""
     import signal
     import threading
 
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "targets").symlink_to((e2e_workdir / "targets").resolve())
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     process = subprocess.Popen(
         [*CLI, "prepare", "--workdir", str(tmp_path / "work")],
@@ -376,5 +380,5 @@ def test_ctrl_c_ends_with_one_line_and_exit_130(tmp_path):
     stderr = "".join(chunks)
     assert process.returncode == 130, stderr[-2000:]
     assert stderr.strip().splitlines()[-1].startswith("error: interrupted (Ctrl-C)") and "Traceback" not in stderr
-    leftovers = [p.name for p in (tmp_path / "work").rglob("*") if ".tmp" in p.name]
+    leftovers = [p.name for p in (tmp_path / "work").rglob("*") if ".tmp" in p.name and "targets" not in p.parts]
     assert leftovers == []
