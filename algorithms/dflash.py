@@ -57,10 +57,25 @@ class Proposal:
     tokens: torch.Tensor  # [S]
     probs: torch.Tensor | None  # [S, V] (DFlash) or [S, K] (DFlash2) at temperature > 0
     candidate_ids: torch.Tensor | None  # [S, K] for DFlash2
+    confidence: torch.Tensor | None = None  # [S] predicted acceptance of each slot, for a member with a confidence head
+
+    def scheduled(self, threshold: float) -> Proposal:
+        """The prefix a confidence-scheduled verification sends to the target: the slots whose predicted
+        cumulative acceptance stays at or above `threshold`; the whole block without a confidence head or at
+        threshold 0. It depends on the draft alone, so verifying it stays lossless."""
+        if self.confidence is None or threshold <= 0:
+            return self
+        keep = int((self.confidence.cumprod(0) >= threshold).sum())  # a prefix: the product never grows
+        cut = lambda t: None if t is None else t[:keep]  # noqa: E731
+        return Proposal(self.tokens[:keep], cut(self.probs), cut(self.candidate_ids), self.confidence[:keep])
 
 
 class DFlashDraft(DraftBackbone):
     """The DFlash draft: backbone + unary objective + unary proposals."""
+
+    # False for a member whose loss leaves the unary (base) logits out: its unary head then computes the
+    # statistics the metrics read, without the gradient nothing would use.
+    trains_unary_head = True
 
     def __init__(
         self, config: DraftConfig, algorithm: AlgorithmConfig, embed_weight: torch.Tensor, head_weight: torch.Tensor
@@ -110,7 +125,7 @@ class DFlashDraft(DraftBackbone):
         loss_mask = aligned_loss_mask(row.loss_mask, anchors, size, self.shared.sample_from_anchor)
         target_rows = target_indices(anchors.positions, size, row.length, self.shared.sample_from_anchor)
         head = unary_head(
-            hidden,
+            hidden if self.trains_unary_head else hidden.detach(),
             row.target_hidden,
             target_rows,
             loss_mask,

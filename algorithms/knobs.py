@@ -259,6 +259,25 @@ class DominoKnobs(DFlashKnobs):
 
 
 @dataclass
+class DSparkKnobs(DFlashKnobs):
+    """DSpark's serial heads: a low-rank Markov bias from the previous token, and a confidence head."""
+
+    TUNED: ClassVar[tuple[str, ...]] = ("markov_rank", "confidence_loss_weight")
+
+    markov_rank: int = knob(256, "rank r of the previous-token -> vocabulary logit bias (vanilla Markov head)")
+    confidence_loss_weight: float = knob(
+        1.0, "weight of the confidence head's BCE against each slot's acceptance probability"
+    )
+
+    def validate(self, shared: SharedKnobs) -> None:
+        super().validate(shared)
+        if self.markov_rank < 1:
+            raise knob_error("markov_rank", self.markov_rank, "an integer >= 1")
+        if self.confidence_loss_weight < 0:
+            raise knob_error("confidence_loss_weight", self.confidence_loss_weight, "a number >= 0")
+
+
+@dataclass
 class DFlash2Knobs(SelectorKnobs, ConvKnobs):
     """Conv + selector: the whole of DFlash2."""
 

@@ -18,7 +18,9 @@ ORACLE_ACCEPTED_LENGTH = "oracle_accepted_length"
 ACCEPTED_LENGTHS = (UNARY_ACCEPTED_LENGTH, REALIZED_ACCEPTED_LENGTH, ORACLE_ACCEPTED_LENGTH)
 TEACHER_FORCED_SELECTOR_ACC = "teacher_forced_selector_acc"
 UNARY_FULL_ACC = "unary_full_acc"
-FINAL_LOSS = "final_loss"  # Domino: the loss of its corrected (final) logits; `unary_loss` is its base's
+FINAL_LOSS = "final_loss"  # Domino, DSpark: the loss of the corrected (final) logits; `unary_loss` is the base's
+CONFIDENCE_LOSS = "confidence_loss"  # DSpark: the confidence head's BCE against each slot's acceptance
+CONFIDENCE_ABS_ERROR = "confidence_abs_error"  # mean |predicted - actual| acceptance probability per slot
 # Measured by the harness, not pooled here, but named with the others.
 DRAFT_STEP_MS = "draft_step_ms"
 NUM_ANCHORS = "num_anchors"  # anchors a validation counted (the total of the accepted-length pairs)
@@ -61,7 +63,7 @@ def unary_position_acc_name(slot: int) -> str:
 MetricCounts = dict[str, torch.Tensor]  # name -> tensor([sum, total])
 
 
-def _pair(numerator: torch.Tensor, denominator: torch.Tensor | float) -> torch.Tensor:
+def pair(numerator: torch.Tensor, denominator: torch.Tensor | float) -> torch.Tensor:
     """[sum, total] in float64, on the device of the numerator: pooling never waits for the device."""
     numerator = torch.as_tensor(numerator).detach()
     denominator = torch.as_tensor(denominator, device=numerator.device)
@@ -71,7 +73,7 @@ def _pair(numerator: torch.Tensor, denominator: torch.Tensor | float) -> torch.T
 def scalar_counts(values: dict[str, torch.Tensor], weight: torch.Tensor) -> MetricCounts:
     """Per-batch losses, weighted by the supervised positions they average over: pooling batches (or the data-
     parallel ranks' parts of one batch) gives the loss of all their positions together."""
-    return {name: _pair(value.detach() * weight, weight) for name, value in values.items()}
+    return {name: pair(value.detach() * weight, weight) for name, value in values.items()}
 
 
 def path_counts(path: str, correct: torch.Tensor, valid: torch.Tensor, first_slot: int) -> MetricCounts:
@@ -83,10 +85,10 @@ def path_counts(path: str, correct: torch.Tensor, valid: torch.Tensor, first_slo
     alive = ok.long().cumprod(dim=-1).bool()
     counted = valid.any(dim=-1)
     lengths = 1.0 + alive.double().sum(-1)
-    counts = {f"{path}_accepted_length": _pair((lengths * counted).sum(), counted.sum())}
+    counts = {f"{path}_accepted_length": pair((lengths * counted).sum(), counted.sum())}
     alive_before = torch.cat([torch.ones_like(alive[:, :1]), alive[:, :-1]], dim=1)
     for column in range(correct.shape[1]):
-        counts[conditional_acc_name(path, first_slot + column)] = _pair(
+        counts[conditional_acc_name(path, first_slot + column)] = pair(
             alive[:, column].sum(), (alive_before[:, column] & valid[:, column]).sum()
         )
     return counts
@@ -106,21 +108,21 @@ def unary_counts(stats: RowStatistics, mask: torch.Tensor, block_size: int, firs
     candidate_mass = stats.target_candidate_logprobs.exp().sum(-1)
 
     counts: MetricCounts = {
-        UNARY_FULL_ACC: _pair((unary_correct * weight).sum(), weight.sum()),
-        "accept_rate": _pair((stats.overlap * weight).sum(), weight.sum()),
-        UNARY_CANDIDATE_RECALL: _pair((in_candidates * weight).sum(), weight.sum()),
-        UNARY_CANDIDATE_TARGET_MASS: _pair((candidate_mass * weight).sum(), weight.sum()),
+        UNARY_FULL_ACC: pair((unary_correct * weight).sum(), weight.sum()),
+        "accept_rate": pair((stats.overlap * weight).sum(), weight.sum()),
+        UNARY_CANDIDATE_RECALL: pair((in_candidates * weight).sum(), weight.sum()),
+        UNARY_CANDIDATE_TARGET_MASS: pair((candidate_mass * weight).sum(), weight.sum()),
     }
     for slot in range(first_slot, block_size):
         at_slot = weight * (slots == slot)
-        counts[unary_position_acc_name(slot)] = _pair((unary_correct * at_slot).sum(), at_slot.sum())
-        counts[recall_position_name(slot)] = _pair((in_candidates * at_slot).sum(), at_slot.sum())
+        counts[unary_position_acc_name(slot)] = pair((unary_correct * at_slot).sum(), at_slot.sum())
+        counts[recall_position_name(slot)] = pair((in_candidates * at_slot).sum(), at_slot.sum())
 
     blocks = lambda x: draft_slots(x, block_size, first_slot)  # noqa: E731
     block_valid = blocks(valid)
     counted = block_valid.any(-1)
     tv_length = 1.0 + (blocks(stats.overlap.double() * weight)).cumprod(-1).sum(-1)
-    counts["accept_len_tv"] = _pair((tv_length * counted).sum(), counted.sum())
+    counts["accept_len_tv"] = pair((tv_length * counted).sum(), counted.sum())
     counts.update(path_counts("unary", blocks(unary_correct), block_valid, first_slot))
     # A documented difference from speculators 0.9.0: with sample_from_anchor (plain DFlash only) every path
     # here, the oracle's included, starts at slot 0, the first slot the draft predicts; speculators' oracle
@@ -151,10 +153,10 @@ def selector_counts(
 
     blocks = lambda x: draft_slots(x, block_size, first_slot)  # noqa: E731
     counts: MetricCounts = {
-        TEACHER_FORCED_SELECTOR_ACC: _pair((selector_hit * weight).sum(), (in_candidates * weight).sum()),
-        "teacher_forced_selector_hit_rate": _pair((selector_hit * weight).sum(), weight.sum()),
-        "selector_accept_rate_tf": _pair((selector_alpha * weight).sum(), weight.sum()),
-        UNARY_CANDIDATE_TARGET_MASS_INJECTED: _pair((injected_mass * weight).sum(), weight.sum()),
+        TEACHER_FORCED_SELECTOR_ACC: pair((selector_hit * weight).sum(), (in_candidates * weight).sum()),
+        "teacher_forced_selector_hit_rate": pair((selector_hit * weight).sum(), weight.sum()),
+        "selector_accept_rate_tf": pair((selector_alpha * weight).sum(), weight.sum()),
+        UNARY_CANDIDATE_TARGET_MASS_INJECTED: pair((injected_mass * weight).sum(), weight.sum()),
     }
     counts.update(path_counts("realized", realized_tokens == blocks(target_ids), blocks(mask > 0), first_slot))
     return counts

@@ -2,7 +2,7 @@
 its export format. Everything above `algorithms/` asks this table instead of branching on a name.
 
 Entries: DFlash; the component ablation of the DFlash2 write-up (DFlash + conv, DFlash + selector with the
-split objective, and DFlash2 = both); and the family's other members (JetSpec, Domino).
+split objective, and DFlash2 = both); and the family's other members (JetSpec, Domino, DSpark).
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import torch
 from algorithms.dflash import DFlashDraft
 from algorithms.dflash2 import DFlash2Draft
 from algorithms.domino import DominoDraft
+from algorithms.dspark import DSparkDraft
 from algorithms.knobs import (
     ConvKnobs,
     DFlash2Knobs,
     DFlashKnobs,
     DominoKnobs,
+    DSparkKnobs,
     SelectorKnobs,
     SharedKnobs,
     build_section,
@@ -46,6 +48,18 @@ DOMINO_SHARED = {
     "position_weighting": "fixed-exp-decay",
     "decay_gamma": 7.0,
     "sample_from_anchor": True,
+}
+
+# DSpark (NeMo AutoModel's DSpark and DeepSpec's recipe): blocks of 7 predicted from the anchor on, 0.1 CE +
+# 0.9 L1 probability distance (= 2 TV, so 1.8 on our `tv`), exponential decay with gamma = 4. The token loss
+# mix is what the member is: a like-for-like preset keeps it.
+DSPARK_DEFINING = {"loss": {"ce": 0.1, "tv": 1.8}}
+DSPARK_SHARED = {
+    "block_size": 7,
+    "position_weighting": "fixed-exp-decay",
+    "decay_gamma": 4.0,
+    "sample_from_anchor": True,
+    **DSPARK_DEFINING,
 }
 
 
@@ -133,6 +147,15 @@ ALGORITHMS: dict[str, Algorithm] = {
             "Domino: DFlash + a GRU correction head over the block's previous tokens (logit delta)",
             None,
         ),
+        Algorithm(
+            "dspark",
+            DSparkDraft,
+            DSparkKnobs,
+            DSPARK_SHARED,
+            "DSpark: DFlash + a low-rank Markov bias from the previous token and a per-slot confidence head",
+            None,
+            DSPARK_DEFINING,
+        ),
     )
 }
 
@@ -152,15 +175,28 @@ def component_variant(conv: bool, selector: bool) -> str:
     return COMPONENT_VARIANTS[(bool(conv), bool(selector))]
 
 
-def with_design_point(config: AlgorithmConfig, point: dict[str, Any]) -> AlgorithmConfig:
-    """`config` moved to a design point: component factors choose the variant (keeping the knobs it has),
-    every other factor is a knob value."""
+# A one-at-a-time design factor whose levels are registered members: the family comparison (DFlash at the
+# centre, each other member one move away), every shared knob the members have in common kept.
+MEMBER_FACTOR = "algorithm"
+
+
+def with_design_point(
+    config: AlgorithmConfig, point: dict[str, Any], member_knobs: dict[str, Any] | None = None
+) -> AlgorithmConfig:
+    """`config` moved to a design point: component factors choose the variant (keeping the knobs it has), a
+    member factor chooses the member (taking `member_knobs` where it has them), every other factor is a knob
+    value."""
     components = {f: point[f] for f in COMPONENT_FACTORS if f in point}
     if components:
         entry = config.entry
         chosen = {"conv": entry.has_conv, "selector": entry.has_selector, **components}
         config = config.with_algorithm(component_variant(chosen["conv"], chosen["selector"]))
-    return config.replace(**{k: v for k, v in point.items() if k not in COMPONENT_FACTORS})
+    if MEMBER_FACTOR in point:
+        config = config.with_algorithm(point[MEMBER_FACTOR])
+        own = knob_names(type(config.knobs))
+        config = config.replace(**{k: v for k, v in (member_knobs or {}).items() if k in own})
+    moved = (*COMPONENT_FACTORS, MEMBER_FACTOR)
+    return config.replace(**{k: v for k, v in point.items() if k not in moved})
 
 
 def algorithm_entry(name: str) -> Algorithm:

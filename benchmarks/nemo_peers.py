@@ -47,6 +47,38 @@ def nemo_backbone(ours: DFlashDraft, **dflash_config):
     return theirs.float()
 
 
+def nemo_dspark(ours: DFlashDraft, num_anchors: int):
+    """NeMo's Qwen3 DSpark draft (a model of its own, not built on its DFlash draft) with our shapes, knobs and
+    weights: the same parameter names, plus the verifier's embedding and head as its own input and output
+    layers."""
+    from nemo_automodel.components.speculative.dspark.config import build_draft_config
+    from nemo_automodel.components.speculative.dspark.draft_qwen3 import Qwen3DSparkModel
+    from transformers import Qwen3Config
+
+    class Args(dict):
+        __getattr__ = dict.__getitem__
+
+    cfg, target = ours.config, ours.config.target
+    target_config = Qwen3Config(**qwen3_shape(target, target.num_hidden_layers), tie_word_embeddings=False)
+    args = Args(
+        num_draft_layers=cfg.num_layers,
+        target_layer_ids=[i - 1 for i in cfg.target_layer_ids],  # NeMo counts from the first decoder layer
+        confidence_head_alpha=ours.knobs.confidence_loss_weight,
+        confidence_head_with_markov=True,
+        markov_rank=ours.knobs.markov_rank,
+        markov_head_type="vanilla",
+        block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id,
+        num_anchors=num_anchors,
+    )
+    config = build_draft_config(target_config, args)
+    config._attn_implementation = "sdpa"  # its training default is flex attention
+    theirs = Qwen3DSparkModel(config)
+    weights = {**ours.state_dict(), "embed_tokens.weight": ours.embed_weight, "lm_head.weight": ours.head_weight}
+    theirs.load_state_dict(weights, strict=True)
+    return theirs.float()
+
+
 def frozen_modules(ours: DFlashDraft) -> tuple[nn.Module, nn.Module]:
     """The verifier's head and input embedding as modules holding our frozen tensors."""
     head = nn.Linear(ours.head_weight.shape[1], ours.head_weight.shape[0], bias=False)
@@ -58,11 +90,16 @@ def frozen_modules(ours: DFlashDraft) -> tuple[nn.Module, nn.Module]:
 
 
 @contextmanager
-def fixed_nemo_anchors(anchors: Anchors):
-    """NeMo draws anchors inside its trainer; pin them to ours for a like-for-like batch (one row)."""
-    target = f"{NEMO_DFLASH}.core.DFlashTrainerModule._sample_anchor_positions"
-    with mock.patch(target, return_value=(anchors.positions[None], anchors.valid[None])):
+def fixed_nemo_anchors(
+    anchors: Anchors, where: str = f"{NEMO_DFLASH}.core.DFlashTrainerModule._sample_anchor_positions"
+):
+    """NeMo draws anchors inside its trainer (its DSpark draft: `NEMO_DSPARK_ANCHORS`); pin them to ours for a
+    like-for-like batch (one row)."""
+    with mock.patch(where, return_value=(anchors.positions[None], anchors.valid[None])):
         yield
+
+
+NEMO_DSPARK_ANCHORS = "nemo_automodel.components.speculative.dspark.draft_qwen3.sample_anchor_positions"
 
 
 def nemo_row_inputs(row: PackedRow, head: nn.Module | None = None) -> dict:

@@ -14,6 +14,17 @@ log = logging.getLogger("dflash_lab")
 DEFAULT_ALGORITHM, DEFAULT_TARGET = "dflash2", "smollm2-135m"
 
 
+def probability(text: str) -> float:
+    """An argparse type: a number in [0, 1] (argparse names the flag in its one-line error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}; allowed a number in [0, 1]")
+    return value
+
+
 def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workdir", type=Path, default=Path("work"), help="caches, runs and the MLflow store (default: ./work)"
@@ -298,7 +309,10 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     workspace = prepare_workspace(checkpoint_config(state), run.workdir, args.device)
     draft = restore_draft(state, workspace.target, args.device)
     eval_config = EvalConfig(
-        num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens, temperatures=tuple(args.temperatures)
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperatures=tuple(args.temperatures),
+        confidence_threshold=args.confidence_threshold,
     )
     metrics, records = evaluate(workspace.target, draft, workspace.data.validation, eval_config)
     log_evaluation(run, metrics, records)
@@ -395,6 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=list(defaults.temperatures),
         help="decoding temperatures (default: %(default)s)",
+    )
+    evaluate.add_argument(
+        "--confidence-threshold",
+        type=probability,
+        default=defaults.confidence_threshold,
+        help="confidence-scheduled verification for a member with a confidence head (DSpark): verify the draft "
+        "prefix whose predicted cumulative acceptance is at least this (default: %(default)s, the whole block)",
     )
     evaluate.set_defaults(handler=cmd_evaluate)
 

@@ -94,8 +94,10 @@ def speculative_generate(
     stop_ids: set[int],
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    confidence_threshold: float = 0.0,
 ) -> DecodeStats:
-    """Generate up to `max_new_tokens` with the draft proposing and the target verifying."""
+    """Generate up to `max_new_tokens` with the draft proposing and the target verifying (the prefix a
+    confidence head schedules, at `confidence_threshold` > 0)."""
     from transformers import DynamicCache
 
     draft.eval()
@@ -125,7 +127,7 @@ def speculative_generate(
         t0 = time.perf_counter()
         proposal = draft.propose(
             context, torch.arange(start, device=device), anchor, start, budget, temperature, generator
-        )
+        ).scheduled(confidence_threshold)
         t1 = time.perf_counter()
         block = torch.cat([torch.tensor([anchor], device=device), proposal.tokens.to(device)])[None]
         out = target_model(input_ids=block, past_key_values=cache, use_cache=True, output_hidden_states=True)
@@ -137,7 +139,7 @@ def speculative_generate(
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += time.perf_counter() - t1
 
-        for slot in range(min(verdict.accepted + 1, budget)):
+        for slot in range(min(verdict.accepted + 1, proposal.tokens.shape[0])):  # the slots the target saw
             stats.slot_attempts[slot] += 1
         for slot in range(verdict.accepted):
             stats.slot_accepts[slot] += 1

@@ -148,7 +148,14 @@ def evaluate(
             runs = []
             for index, prompt in enumerate(tqdm(prompts, desc=f"decode {name} {tag}", unit="prompt")):
                 stats = speculative_generate(
-                    target.model, draft, prompt, config.max_new_tokens, stop, temperature, generator
+                    target.model,
+                    draft,
+                    prompt,
+                    config.max_new_tokens,
+                    stop,
+                    temperature,
+                    generator,
+                    config.confidence_threshold,
                 )
                 runs.append(stats)
                 record = {

@@ -21,7 +21,7 @@ SMALL_SHARED = dict(
     candidate_top_k=16,
 )
 # Applied to the algorithms that have these knobs.
-SMALL_KNOBS = dict(selector_rank=64, domino_rank=64, domino_gru_size=256)
+SMALL_KNOBS = dict(selector_rank=64, domino_rank=64, domino_gru_size=256, markov_rank=64)
 
 
 def preset_run(preset: str, algorithm: str, target: str) -> RunConfig:

@@ -134,7 +134,9 @@ def with_budget(definition: StudyDefinition, algorithm: AlgorithmConfig, seed: i
 def trial_config(definition: StudyDefinition, params: dict) -> RunConfig:
     """The base config with the sampler's knob values, or at a design point (which may switch components)."""
     if definition.design is not None:
-        return with_budget(definition, with_design_point(definition.base.algorithm, params))
+        return with_budget(
+            definition, with_design_point(definition.base.algorithm, params, definition.design.member_knobs)
+        )
     return with_budget(definition, definition.base.algorithm.replace(**params))
 
 
@@ -146,7 +148,8 @@ def check_against_target(definition: StudyDefinition, workdir: Path) -> None:
     spec = target_spec(target_config(definition.base.target, workdir), definition.base.target)
     points = definition.design.points if definition.design is not None else []
     for where, config in [("base", definition.base.algorithm)] + [
-        (f"design point {point}", with_design_point(definition.base.algorithm, point)) for point in points
+        (f"design point {point}", with_design_point(definition.base.algorithm, point, definition.design.member_knobs))
+        for point in points
     ]:
         if config.shared.mask_token_id is None:  # the target picks one at train time
             config = config.replace(mask_token_id=0)

@@ -10,8 +10,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from algorithms import ALGORITHMS, SharedKnobs, algorithm_entry
+from algorithms.knobs import knob_names
 from algorithms.metrics import DRAFT_STEP_MS, REALIZED_ACCEPTED_LENGTH
-from algorithms.registry import COMPONENT_FACTORS, with_design_point
+from algorithms.registry import COMPONENT_FACTORS, MEMBER_FACTOR, with_design_point
 from harness.config import EvalConfig, RunConfig, parse_yaml
 from harness.design import FACTORIAL, ONE_AT_A_TIME, Design, DesignError, design_from_spec
 
@@ -95,6 +96,8 @@ class StudyDesign:
     interactions: str | bool = "auto"  # fit the two-factor interactions the design resolves
     margin: float = DEFAULT_MARGIN
     reference: str | None = None  # a baseline whose runs join the fit as the reference arm
+    # A member design's knobs of members other than the base (its `base.knobs` that the base lacks)
+    member_knobs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def points(self) -> list[dict[str, Any]]:
@@ -137,6 +140,12 @@ class EvaluateSection(Section):
     max_new_tokens: int = Field(EvalConfig().max_new_tokens, ge=1)
     temperatures: list[Annotated[float, Field(ge=0)]] = Field(
         default_factory=lambda: list(EvalConfig().temperatures), min_length=1
+    )
+    confidence_threshold: float = Field(
+        EvalConfig().confidence_threshold,
+        ge=0,
+        le=1,
+        description="a confidence head's scheduled verification cut (0: verify the whole block)",
     )
 
 
@@ -245,6 +254,7 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
     missing = [f.name for f in dataclasses.fields(SharedKnobs) if f.name not in base.shared]
     if missing:
         raise _fail(path, "base.shared", sorted(base.shared), f"every shared knob pinned explicitly; missing {missing}")
+    own_knobs, member_knobs = _split_member_knobs(path, file)
     train = dict(base.train)
     nproc_per_node = train.pop("nproc_per_node", 1)
     if not isinstance(nproc_per_node, int) or isinstance(nproc_per_node, bool) or nproc_per_node < 1:
@@ -255,7 +265,7 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
                 "target": file.target,
                 "algorithm": base.algorithm,
                 "shared": base.shared,
-                "knobs": base.knobs,
+                "knobs": own_knobs,
                 "data": base.data,
                 "train": train,
             }
@@ -280,7 +290,7 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
                 )
         if file.search_space:
             raise _fail(path, "search_space", file.search_space, "{} in a design file (the design lists its factors)")
-        design = _design(path, file.design, run, tuned)
+        design = _design(path, file.design, run, tuned, member_knobs)
     sampler, pruner = file.sampler or SamplerSection(), file.pruner or PrunerSection()
 
     objectives = file.objective if isinstance(file.objective, list) else [file.objective]
@@ -319,19 +329,37 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
             num_prompts=evaluate.num_prompts,
             max_new_tokens=evaluate.max_new_tokens,
             temperatures=tuple(float(t) for t in evaluate.temperatures),
+            confidence_threshold=evaluate.confidence_threshold,
         ),
         nproc_per_node=nproc_per_node,
         design=design,
     )
 
 
-def _design(path: str, section: DesignSection, run: RunConfig, tuned: tuple[str, ...]) -> StudyDesign:
+def _split_member_knobs(path: str, file: StudyFile) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`base.knobs` as (the base algorithm's knobs, those of the other members a member design moves to)."""
+    members = (file.design.factors.get(MEMBER_FACTOR) or []) if file.design is not None else []
+    if not isinstance(members, list) or any(m not in ALGORITHMS for m in members):
+        raise _fail(path, f"design.factors.{MEMBER_FACTOR}", members, f"a list of members from {list(ALGORITHMS)}")
+    own_names = (
+        knob_names(algorithm_entry(file.base.algorithm).knobs_class) if file.base.algorithm in ALGORITHMS else set()
+    )
+    member_names = set().union(*(knob_names(algorithm_entry(m).knobs_class) for m in members))
+    own = {k: v for k, v in file.base.knobs.items() if k in own_names or k not in member_names}
+    return own, {k: v for k, v in file.base.knobs.items() if k not in own}
+
+
+def _design(
+    path: str, section: DesignSection, run: RunConfig, tuned: tuple[str, ...], member_knobs: dict[str, Any]
+) -> StudyDesign:
     """`design:`: a factorial (two levels per factor, full or fractional) or a one-at-a-time design."""
-    allowed = [*tuned, *COMPONENT_FACTORS]
+    allowed = [*tuned, *COMPONENT_FACTORS, MEMBER_FACTOR]
     for factor, levels in section.factors.items():
         where = f"design.factors.{factor}"
         if factor not in allowed:
             raise _fail(path, "design.factors", factor, f"factors from {allowed}")
+        if factor == MEMBER_FACTOR and section.type != ONE_AT_A_TIME:
+            raise _fail(path, where, levels, "members in a one_at_a_time design (each against the base's)")
         if len(set(map(str, levels))) != len(levels) or not levels:
             raise _fail(path, where, levels, "a list of distinct levels")
         if section.type == FACTORIAL and len(levels) != 2:
@@ -344,6 +372,7 @@ def _design(path: str, section: DesignSection, run: RunConfig, tuned: tuple[str,
     if section.type == ONE_AT_A_TIME:
         base = {**dataclasses.asdict(run.algorithm.shared), **dataclasses.asdict(run.algorithm.knobs)}
         base |= {"conv": run.algorithm.entry.has_conv, "selector": run.algorithm.entry.has_selector}
+        base[MEMBER_FACTOR] = run.algorithm.algorithm
         spec["centre"] = {f: (section.centre or {}).get(f, base.get(f)) for f in section.factors}
     try:
         design = design_from_spec(spec)
@@ -351,10 +380,10 @@ def _design(path: str, section: DesignSection, run: RunConfig, tuned: tuple[str,
         raise StudyDefinitionError(f"{path}: invalid field design: {error}") from None
     for point in design.points():  # every point must be a valid run, before anything trains
         try:
-            with_design_point(run.algorithm, point).validate()
+            with_design_point(run.algorithm, point, member_knobs).validate()
         except (TypeError, ValueError) as error:
             raise StudyDefinitionError(f"{path}: design point {point}: {error}") from None
-    return StudyDesign(spec, design, section.interactions, section.margin, section.reference)
+    return StudyDesign(spec, design, section.interactions, section.margin, section.reference, member_knobs)
 
 
 def load_study(path: Path) -> StudyDefinition:

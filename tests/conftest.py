@@ -35,7 +35,7 @@ def tiny_config(algorithm: str, **overrides) -> AlgorithmConfig:
     small = {
         k: v
         for k, v in dict(
-            conv_group_size=8, selector_rank=8, candidate_top_k=4, domino_rank=8, domino_gru_size=16
+            conv_group_size=8, selector_rank=8, candidate_top_k=4, domino_rank=8, domino_gru_size=16, markov_rank=8
         ).items()
         if k in config.knob_names()
     }
@@ -83,6 +83,18 @@ def packed_row(doc_lengths=(20, 14), pad: int = 6, seed: int = 0, num_features: 
 @pytest.fixture
 def row() -> PackedRow:
     return packed_row()
+
+
+def fitted(draft, row: PackedRow, anchors, steps: int = 25):
+    """`draft` after a few Adam steps on the row: heads move off their zero start, and drafts get accepted
+    (accepted lengths more than the anchor alone)."""
+    optimizer = torch.optim.Adam(draft.parameters(), lr=3e-2)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        draft.training_forward(row, anchors).loss.backward()
+        optimizer.step()
+    optimizer.zero_grad()
+    return draft
 
 
 def anchors_for(row: PackedRow, block_size: int = 4, max_anchors: int = 8, seed: int = 0):

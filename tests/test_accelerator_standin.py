@@ -111,7 +111,7 @@ def on_standin(*tensors: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("features", ["cache", "online"])
-@pytest.mark.parametrize("algorithm", ["dflash", "dflash2", "jetspec", "domino"])
+@pytest.mark.parametrize("algorithm", ["dflash", "dflash2", "jetspec", "domino", "dspark"])
 def test_training_steps_run_on_the_accelerator_stand_in(algorithm, features, tmp_path):
     """Several optimizer steps (forward, the fixed-shape unary head, backward, clipping, AdamW, the schedule and
     the loss watch): every tensor on the device, and not one value read back."""

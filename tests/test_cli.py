@@ -193,7 +193,7 @@ def test_knob_flags_carry_type_choices_and_help():
     assert "--block-attention {bidirectional,causal}" in help_text
     assert "--target-layer-ids INT,INT,...|none" in help_text
     assert "--sample-from-anchor, --no-sample-from-anchor" in help_text
-    assert "--algorithm {dflash,dflash+conv,dflash+selector,dflash2,jetspec,domino}" in help_text
+    assert "--algorithm {dflash,dflash+conv,dflash+selector,dflash2,jetspec,domino,dspark}" in help_text
 
 
 @pytest.mark.parametrize("algorithm", ["dflash+conv", "dflash+selector"])

@@ -118,6 +118,43 @@ def test_domino_rejection_sampling_with_walked_rows_is_lossless():
     assert second.sum() > 2000 and chi_square(second, target[1]) < CHI2_CRITICAL_DF11_P001
 
 
+def test_dspark_rejection_sampling_with_walked_rows_and_scheduled_cuts_is_lossless():
+    """q of each slot is DSpark's Markov-corrected distribution given the token drawn before it, and the
+    confidence head cuts the block where its running product falls below 1/2 (a cut that depends on the
+    draws): the emitted tokens still follow the target."""
+    from algorithms import build_draft
+
+    from conftest import HIDDEN, tiny_config, tiny_target
+
+    torch.manual_seed(0)
+    embed, head = torch.randn(VOCAB, HIDDEN), torch.randn(VOCAB, HIDDEN)
+    draft = build_draft(tiny_config("dspark", block_size=3), tiny_target(vocab_size=VOCAB), embed, head)
+    with torch.no_grad():
+        draft.markov_head.markov_w1.weight.normal_(std=1.0)
+        draft.markov_head.markov_w2.weight.normal_(std=3.0)  # a bias that depends strongly on the drawn token
+        # slot 1's confidence is fixed (its previous token is the anchor), slot 2's follows slot 1's draw
+        draft.confidence_head.proj.weight.normal_(std=0.3)
+        draft.confidence_head.proj.weight[:, HIDDEN:].normal_(std=1.5)
+        draft.confidence_head.proj.bias.fill_(2.0)
+        generator = torch.Generator().manual_seed(4)
+        hidden = torch.randn(1, 2, HIDDEN, generator=generator).expand(DRAWS, -1, -1)
+        base = torch.randn(1, 2, VOCAB, generator=generator).expand(DRAWS, -1, -1)
+        tokens, probs, confidence = draft.walk(base, hidden, torch.full((DRAWS,), 5), 1.0, generator)
+    assert float((probs[:, 1] - probs[0, 1]).abs().max()) > 0.5, "slot 2's q depends on slot 1's draw"
+    proposals = [Proposal(tokens[n], probs[n], None, confidence[n]).scheduled(0.5) for n in range(DRAWS)]
+    kept = torch.tensor([len(p.tokens) for p in proposals])
+    assert set(kept.tolist()) == {1, 2} and 0.2 < float((kept == 1).float().mean()) < 0.8, "cuts vary with draws"
+    target = _target(3)
+    first, second = torch.zeros(VOCAB), torch.zeros(VOCAB)
+    for proposal in proposals:
+        verdict = verify_sampled(target, proposal, generator)
+        first[int(proposal.tokens[0]) if verdict.accepted >= 1 else verdict.bonus] += 1
+        if verdict.accepted >= 1:
+            second[int(proposal.tokens[1]) if verdict.accepted >= 2 else verdict.bonus] += 1
+    assert chi_square(first, target[0]) < CHI2_CRITICAL_DF11_P001
+    assert second.sum() > 2000 and chi_square(second, target[1]) < CHI2_CRITICAL_DF11_P001
+
+
 def test_unary_softmax_as_q_would_not_be_lossless():
     """The test has teeth: verifying DFlash2 drafts against the unary softmax breaks the distribution."""
     walks, unary, generator = _selector_walks(3.0)

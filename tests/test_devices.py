@@ -63,10 +63,14 @@ def _greedy(model, prompt: list[int], tokens: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-@pytest.mark.parametrize("algorithm", ["dflash", "dflash2", "jetspec", "domino"])
-def test_decoding_and_offline_replay_run_on_a_non_default_dtype(algorithm):
+@pytest.mark.parametrize(
+    ("algorithm", "threshold"),
+    [("dflash", 0.0), ("dflash2", 0.0), ("jetspec", 0.0), ("domino", 0.0), ("dspark", 0.0), ("dspark", 0.3)],
+)
+def test_decoding_and_offline_replay_run_on_a_non_default_dtype(algorithm, threshold):
     """Target and draft in float64, generators from the helper on the model's device: a tensor built on the
-    wrong device or dtype fails here the way it would on CUDA."""
+    wrong device or dtype fails here the way it would on CUDA. DSpark also decodes confidence-scheduled, which
+    must stay lossless while it verifies fewer tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -83,12 +87,22 @@ def test_decoding_and_offline_replay_run_on_a_non_default_dtype(algorithm):
     draft = tiny_draft(algorithm).to(torch.float64)
     prompt = [1, 2, 3, 4, 5]
     with torch.no_grad():
-        greedy = speculative_generate(model, draft, prompt, 12, set(), 0.0)
+        greedy = speculative_generate(model, draft, prompt, 12, set(), 0.0, None, threshold)
         assert greedy.tokens == _greedy(model, prompt, 12), "lossless at T = 0"
         sampled = speculative_generate(
-            model, draft, prompt, 12, set(), 1.0, devices.generator(devices.model_device(model), 0)
+            model, draft, prompt, 12, set(), 1.0, devices.generator(devices.model_device(model), 0), threshold
         )
     assert len(sampled.tokens) == 12
+    # A whole block per cycle: anchor + every draft slot, fewer where the token budget runs out.
+    slots, committed = draft.block_size - draft.shared.first_draft_slot, 1
+    whole = []
+    for length in greedy.acceptance_lengths:
+        whole.append(min(slots, 12 - committed) + 1)
+        committed += length
+    if threshold > 0:  # a fresh confidence head predicts about 1/2 per slot: blocks are cut
+        assert sum(greedy.verified_tokens) < sum(whole)
+    else:
+        assert greedy.verified_tokens == whole
     every, replayed = offline_realized_on_continuations(
         types.SimpleNamespace(model=model), draft, [prompt], [greedy.tokens]
     )

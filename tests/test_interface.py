@@ -55,6 +55,7 @@ def test_every_variant_is_registered_with_its_components():
         "dflash2": (True, True),
         "jetspec": (False, False),
         "domino": (False, False),
+        "dspark": (False, False),
     }
     assert ALGORITHMS["dflash2"].tuned_knobs == (
         "conv_kernel_size",

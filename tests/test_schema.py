@@ -68,6 +68,7 @@ DELETE = object()
         ("evaluate", {"num_prompts": 0}, "invalid field evaluate.num_prompts=0: allowed greater than or equal to 1"),
         ("evaluate", {"temperatures": [-1]}, "invalid field evaluate.temperatures.0=-1: allowed greater than or equal"),
         ("evaluate", {"temperatures": []}, "invalid field evaluate.temperatures=[]: allowed"),
+        ("evaluate", {"confidence_threshold": 2}, "invalid field evaluate.confidence_threshold=2: allowed less than"),
     ],
 )
 def test_every_error_is_one_line_naming_field_value_and_what_is_allowed(field, value, message):
@@ -113,3 +114,36 @@ def test_study_schema_command_prints_the_json_schema():
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == study_json_schema()
+
+
+FAMILY = yaml.safe_load((ROOT / "studies" / "family.yaml").read_text())
+
+
+def test_a_member_design_moves_the_algorithm_and_gives_each_member_its_knobs():
+    from studies.runner import trial_config
+
+    study = parse_study(FAMILY, "family.yaml")
+    points = study.design.points
+    assert points == [{"algorithm": name} for name in ("dflash", "dflash2", "jetspec", "domino", "dspark")]
+    configs = {p["algorithm"]: trial_config(study, p).algorithm for p in points}
+    assert configs["domino"].knobs.domino_rank == 64 and configs["dspark"].knobs.markov_rank == 64
+    assert configs["dflash2"].knobs.selector_rank == 64
+    # pinned shared knobs kept, defining ones applied
+    assert {c.shared.block_size for c in configs.values()} == {8}
+    assert configs["jetspec"].shared.block_attention == "causal" and configs["dflash"].shared.loss == "kl_div"
+    assert configs["dspark"].shared.loss_weights == {"ce": 0.1, "tv": 1.8}
+    assert configs["domino"].shared.loss == "kl_div"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("design.factors", {"algorithm": ["dflash", "eagle"]}, "design.factors.algorithm=['dflash', 'eagle']"),
+        ("design.type", "factorial", "members in a one_at_a_time design"),
+        ("base.knobs.bogus_knob", 3, "bogus_knob"),
+    ],
+)
+def test_a_bad_member_design_is_refused_in_one_line(field, value, message):
+    with pytest.raises(StudyDefinitionError) as error:
+        parse_study(_set(FAMILY, field, value), "family.yaml")
+    assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
