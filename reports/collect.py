@@ -20,7 +20,12 @@ from harness.validation import SUBSET_ROWS
 VAL, EVAL = tracking.VAL_PREFIX, tracking.EVAL_PREFIX
 # Every knob any registered algorithm tunes, in registry order: the knob columns of a report.
 TUNED_KNOBS = tuple(dict.fromkeys(knob for entry in ALGORITHMS.values() for knob in entry.tuned_knobs))
-MEASURED = {"measured_greedy": "measured_accepted_length_greedy", "measured_t1": "measured_accepted_length_t1"}
+MEASURED = {
+    "measured_greedy": "measured_accepted_length_greedy",
+    "measured_t1": "measured_accepted_length_t1",
+    # committed tokens per token the target verified (a confidence-scheduled member verifies fewer)
+    "measured_per_verified": "measured_accepted_length_greedy_accepted_per_verified",
+}
 
 
 @dataclass

@@ -139,15 +139,17 @@ def leaderboard(configs: list[Configuration]) -> str:
         return "## Leaderboard\n\nNo trial or baseline completed, so there is nothing to rank yet."
     best = configs[0]
     measured = any(c.runs[["measured_greedy", "measured_t1"]].notna().any().any() for c in configs)
+    members = len({c.first["algorithm"] for c in configs}) > 1  # a family comparison names each row's member
     headers = [
         "run",
+        *(["algorithm"] if members else []),
         *TUNED_KNOBS,
         "seeds",
         "unary",
         "realized",
         "oracle",
         "realized − best",
-        *(["measured T=0", "measured T=1"] if measured else []),
+        *(["measured T=0", "measured T=1", "accepted / verified T=0"] if measured else []),
         "selector gain",
         "oracle headroom",
         "recall@K",
@@ -163,11 +165,20 @@ def leaderboard(configs: list[Configuration]) -> str:
         rows.append(
             [
                 config.label,
+                *([first["algorithm"]] if members else []),
                 *[fmt_value(first[k]) if first[k] != "" else "" for k in TUNED_KNOBS],
                 len(config.seeds),
                 *[estimate(config, m).text() for m in ACCEPTED_LENGTHS],
                 versus_best,
-                *([measured_text(config, "measured_greedy"), measured_text(config, "measured_t1")] if measured else []),
+                *(
+                    [
+                        measured_text(config, "measured_greedy"),
+                        measured_text(config, "measured_t1"),
+                        fmt(float(config.runs["measured_per_verified"].mean())),
+                    ]
+                    if measured
+                    else []
+                ),
                 difference(config, REALIZED_ACCEPTED_LENGTH, config, UNARY_ACCEPTED_LENGTH).text(signed=True),
                 difference(config, ORACLE_ACCEPTED_LENGTH, config, REALIZED_ACCEPTED_LENGTH).text(signed=True),
                 *[
@@ -184,7 +195,9 @@ def leaderboard(configs: list[Configuration]) -> str:
         "*Selector gain* is realized − unary and *oracle headroom* oracle − realized, both paired within the run. "
         "Target mass@K is measured on the original unary top-K; K is each run's `candidate_top_k`. "
         "*Measured* columns, where present, are real speculative decoding with the target (per-request mean, "
-        "`dflash-lab evaluate`). The best row is selected on this same validation set, so its lead is optimistic."
+        "`dflash-lab evaluate`); *accepted / verified* is committed tokens per token the target verified (a "
+        "member that verifies whole blocks sets the baseline a confidence-scheduled one is compared with). "
+        "The best row is selected on this same validation set, so its lead is optimistic."
     )
     return "## Leaderboard\n\n" + note + "\n\n" + table(headers, rows)
 

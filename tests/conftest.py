@@ -206,8 +206,10 @@ def e2e_workspace(e2e_workdir, tmp_path_factory):
 
 
 # The members the learning and lossless end-to-end tests train; DFLASH_LAB_FAMILY_E2E=1 adds the family's
-# other members (two more 60-step trainings and decodes: past CI's time budget).
-E2E_MEMBERS = ("dflash2", "dflash") + (("jetspec", "domino") if os.environ.get("DFLASH_LAB_FAMILY_E2E") else ())
+# other members (three more 60-step trainings and decodes: past CI's time budget).
+E2E_MEMBERS = ("dflash2", "dflash") + (
+    ("jetspec", "domino", "dspark") if os.environ.get("DFLASH_LAB_FAMILY_E2E") else ()
+)
 
 
 @pytest.fixture(scope="session")
