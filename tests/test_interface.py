@@ -141,7 +141,9 @@ def test_dflash_selector_at_init_equals_dflash_unary_path(row):
 def test_variants_without_a_peer_format_refuse_export(tmp_path):
     from harness.export import NoPeerFormat, export_checkpoint
 
-    for name in ("dflash+conv", "dflash+selector"):
+    unexportable = [name for name, entry in ALGORITHMS.items() if entry.export_format is None]
+    assert unexportable == ["dflash+conv", "dflash+selector", "domino", "dspark"]
+    for name in unexportable:
         draft = tiny_draft(name)
         with pytest.raises(NoPeerFormat, match=rf"cannot export a {re.escape(name)} draft: no peer format"):
             export_checkpoint(draft, tmp_path / name, "/models/verifier")
