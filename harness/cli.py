@@ -341,12 +341,18 @@ def add_system_metrics(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad command-line input ends in one line naming the argument, its value and what is allowed (argparse
+    would print the whole usage first); `--help` still shows the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from harness.config import EvalConfig
 
-    parser = argparse.ArgumentParser(
-        prog="dflash-lab", description="Train, compare and ablate DFlash-family draft models."
-    )
+    parser = OneLineParser(prog="dflash-lab", description="Train, compare and ablate DFlash-family draft models.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser(

@@ -293,6 +293,16 @@ BAD_FILES = {
             "connection",
         ),
         (["export", "no-such-run"], {}, "no checkpoint for run 'no-such-run'"),
+        (
+            ["evaluate", "kept", "--confidence-threshold", "1.5"],
+            {},
+            "argument --confidence-threshold: '1.5'; allowed a number in [0, 1]",
+        ),
+        (
+            ["train", "--algorithm", "dspark", "--markov-rank", "0"],
+            {},
+            "invalid knob markov_rank=0: allowed an integer",
+        ),
         (["train", "--run-name", "../../x"], {}, "invalid --run-name='../../x': allowed 1-200 letters"),
         (["train", "--run-name", "/abs/path"], {}, "invalid --run-name='/abs/path': allowed"),
         (["train", "--run-name", ".."], {}, "invalid --run-name='..': allowed"),
