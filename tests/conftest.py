@@ -172,9 +172,10 @@ def e2e_run_config(algorithm: str = "dflash2", **train_overrides):
         config.data, num_conversations=40, num_validation=8, max_new_tokens=48, row_length=512, max_length=192
     )
     config.algorithm = config.algorithm.replace(max_anchors=16)
-    config.train = dataclasses.replace(
-        config.train, **{"max_steps": 4, "eval_every": 2, "log_every": 1, "checkpoint_every": 2, **train_overrides}
-    )
+    # The final validation reads at most 8 evenly spaced anchors per document (64 of about 233): the tests that
+    # read it check its plumbing, not its precision; the learning test (`trained`) reads every anchor.
+    shrunk = {"max_steps": 4, "eval_every": 2, "log_every": 1, "checkpoint_every": 2, "final_validation_cap": 8}
+    config.train = dataclasses.replace(config.train, **{**shrunk, **train_overrides})
     return config
 
 
@@ -219,7 +220,9 @@ def trained(e2e_workspace):
 
     return {
         algorithm: train(
-            e2e_run_config(algorithm, max_steps=60, eval_every=60, checkpoint_every=60, log_every=20),
+            e2e_run_config(
+                algorithm, max_steps=60, eval_every=60, checkpoint_every=60, log_every=20, final_validation_cap=0
+            ),
             e2e_workspace,
             run_name=f"learns-{algorithm}",
         )

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 from unittest import mock
 
 import mlflow
@@ -470,3 +471,50 @@ def test_two_trainings_of_one_run_name_at_the_same_moment_leave_one_run(e2e_work
     assert len(said) == 1 and "Traceback" not in stderr, stderr[-2000:]
     assert "is being trained by another process right now" in said[0] or "already holds a run" in said[0], said
     _run(tmp_path, "contested")  # exactly one MLflow run of that name
+
+
+def test_ctrl_c_ends_with_one_line_and_exit_130(e2e_workspace, e2e_workdir, tmp_path):
+    """Ctrl-C while `prepare` regenerates the data (a Python loop, so the interrupt lands within a batch), in a
+    work directory that shares only the end-to-end tests' converted target (so the data is regenerated).
+
+    The command starts with SIGINT at its default: a test run started in the background of a script inherits
+    SIGINT ignored (as shells start background jobs), and Python then never turns it into KeyboardInterrupt."""
+    import signal
+    import threading
+
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "targets").symlink_to((e2e_workdir / "targets").resolve())
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "harness.cli", "prepare", "--workdir", str(tmp_path / "work")],
+        cwd=Path(__file__).parent.parent,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    chunks, regenerating = [], threading.Event()
+
+    def read() -> None:
+        while chunk := process.stderr.read(256):
+            chunks.append(chunk)
+            if "regenerating responses" in "".join(chunks[-2:]):
+                regenerating.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert regenerating.wait(timeout=600), "".join(chunks)[-2000:]
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    reader.join(timeout=30)
+    stderr = "".join(chunks)
+    assert process.returncode == 130, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1].startswith("error: interrupted (Ctrl-C)") and "Traceback" not in stderr
+    leftovers = [p.name for p in (tmp_path / "work").rglob("*") if ".tmp" in p.name and "targets" not in p.parts]
+    assert leftovers == []
