@@ -16,7 +16,7 @@ import pandas as pd
 
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH, se_name
 from harness import tracking
-from harness.design import Design, design_from_spec
+from harness.design import FACTORIAL, Design, design_from_spec
 from harness.uncertainty import Estimate, mean_estimate, ratio_estimate, t_interval, unpaired_difference
 from harness.validation import SUBSET_ROWS, pairs
 from reports.collect import StudyRecord
@@ -129,7 +129,10 @@ def effects_section(record: StudyRecord, improving: str) -> tuple[str | None, li
         [term_label(e.term, recorded.reference), e.estimate.text(signed=True), e.label, f"{e.detectable:.3f}"]
         for e in fit.effects
     ]
-    parts.append(table_markdown(["effect (high − low)", "estimate [95% interval]", "label", "detectable"], rows))
+    # A factorial's effect is its high level minus its low; a one-at-a-time move's, the move minus the centre
+    # (a member design's `algorithm=M`: M − the base member).
+    difference = "high − low" if design.kind == FACTORIAL else "move − centre"
+    parts.append(table_markdown([f"effect ({difference})", "estimate [95% interval]", "label", "detectable"], rows))
     lines = [
         f"- {term_label(e.term, recorded.reference)}: {e.text()} ({fit.residual_dof} residual df){improving}."
         for e in fit.effects
