@@ -66,7 +66,8 @@ DRY = Sizes(
     sync_steps=1,
     prompts=1,
     new_tokens=8,
-    train_step_benchmark=("--smoke",),
+    # DFlash2 alone: it runs every part DFlash does (and tests/test_parity_speculators.py pins both to the peer)
+    train_step_benchmark=("--smoke", "--algorithms", "dflash2"),
     overhead=("--size", "tiny", "--steps", "1", "--cycles", "1", "--precisions", "fp32"),
     data_parallel=("--sizes", "tiny", "--algorithms", "dflash2", "--smoke"),
 )
