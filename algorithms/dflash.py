@@ -153,6 +153,25 @@ class DFlashDraft(DraftBackbone):
         mask = lambda a: aligned_loss_mask(row.loss_mask, a, self.block_size, self.shared.sample_from_anchor)  # noqa: E731
         return float(losses.denominator(mask(part))) / float(losses.denominator(mask(anchors)))
 
+    def full_vocabulary_loss(
+        self, logits: torch.Tensor, out: BlockForward
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The run's loss terms and position weighting on full-vocabulary logits [M, V] of every row (a member's
+        corrected logits): (loss, their log-probs, the target's log-probs)."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        with torch.no_grad():
+            target_logprobs = torch.log_softmax(self.output_logits(out.target_hidden), dim=-1)
+        loss = sum(
+            weight * self.weighted_loss(losses.PER_POSITION_LOSSES[name](logprobs, target_logprobs), out.mask)
+            for name, weight in self.shared.loss_weights.items()
+        )
+        return loss, logprobs, target_logprobs
+
+    def realized_counts(self, walked: torch.Tensor, out: BlockForward) -> MetricCounts:
+        """Accepted-length counts of a walked path [N, S] against the target's tokens."""
+        correct = walked == self.draft_slots(out.head.stats.target_ids)
+        return path_counts("realized", correct, self.draft_slots(out.mask > 0), self.first_slot)
+
     def weighted_loss(self, per_position: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Reduce one per-position term with the configured position weighting."""
         return losses.reduce_weighted(per_position, self.unary_objective.weights(per_position, mask), mask)

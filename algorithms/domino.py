@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from algorithms import losses
 from algorithms.dflash import BlockForward, DFlashDraft, Proposal
 from algorithms.knobs import DominoKnobs
-from algorithms.metrics import FINAL_LOSS, MetricCounts, path_counts, pool, scalar_counts
+from algorithms.metrics import FINAL_LOSS, MetricCounts, pool, scalar_counts
 from algorithms.modeling import DraftConfig
 from algorithms.sampling import draw
 
@@ -84,19 +83,11 @@ class DominoDraft(DFlashDraft):
     def objective(self, out: BlockForward) -> tuple[torch.Tensor, MetricCounts]:
         """(1 - lambda) * loss(final logits) + lambda * loss(base logits), the same loss terms and weighting."""
         base_logits = self.output_logits(out.hidden)
-        final_logits = base_logits + self.logit_delta(out.hidden, out.block_tokens)
-        final_logprobs = torch.log_softmax(final_logits, dim=-1)
-        with torch.no_grad():
-            target_logprobs = torch.log_softmax(self.output_logits(out.target_hidden), dim=-1)
-        final_loss = sum(
-            weight * self.weighted_loss(losses.PER_POSITION_LOSSES[name](final_logprobs, target_logprobs), out.mask)
-            for name, weight in self.shared.loss_weights.items()
-        )
+        final_loss, _, _ = self.full_vocabulary_loss(base_logits + self.logit_delta(out.hidden, out.block_tokens), out)
         loss = (1.0 - self.base_weight) * final_loss + self.base_weight * out.head.loss
         with torch.no_grad():
             walked, _ = self.walk(self.draft_slots(base_logits), self.draft_slots(out.hidden), out.block_tokens[:, 0])
-            correct = walked == self.draft_slots(out.head.stats.target_ids)
-            counts = path_counts("realized", correct, self.draft_slots(out.mask > 0), self.first_slot)
+            counts = self.realized_counts(walked, out)
         pool(counts, scalar_counts({FINAL_LOSS: final_loss}, out.mask.sum()))
         return loss, counts
 

@@ -26,7 +26,6 @@ from algorithms.metrics import (
     FINAL_LOSS,
     MetricCounts,
     pair,
-    path_counts,
     pool,
     scalar_counts,
 )
@@ -96,14 +95,9 @@ class DSparkDraft(DFlashDraft):
         previous = out.block_tokens.roll(self.first_slot, dims=1).reshape(-1)
         base_logits = self.output_logits(out.hidden)
         final_logits, confidence_logits = self.step(base_logits, out.hidden, previous)
-        final_logprobs = torch.log_softmax(final_logits, dim=-1)
+        token_loss, final_logprobs, target_logprobs = self.full_vocabulary_loss(final_logits, out)
         with torch.no_grad():
-            target_logprobs = torch.log_softmax(self.output_logits(out.target_hidden), dim=-1)
             acceptance = losses.overlap(final_logprobs, target_logprobs)  # the BCE's targets
-        token_loss = sum(
-            weight * self.weighted_loss(losses.PER_POSITION_LOSSES[name](final_logprobs, target_logprobs), out.mask)
-            for name, weight in self.shared.loss_weights.items()
-        )
         bce = F.binary_cross_entropy_with_logits(confidence_logits, acceptance, reduction="none")
         confidence_loss = self.weighted_loss(bce, out.mask)
         loss = token_loss + self.knobs.confidence_loss_weight * confidence_loss
@@ -111,8 +105,7 @@ class DSparkDraft(DFlashDraft):
             walked, _, _ = self.walk(
                 self.draft_slots(base_logits), self.draft_slots(out.hidden), out.block_tokens[:, 0]
             )
-            correct = walked == self.draft_slots(out.head.stats.target_ids)
-            counts = path_counts("realized", correct, self.draft_slots(out.mask > 0), self.first_slot)
+            counts = self.realized_counts(walked, out)
             error = (torch.sigmoid(confidence_logits) - acceptance).abs()
             supervised = out.mask.sum()
             pool(counts, scalar_counts({FINAL_LOSS: token_loss, CONFIDENCE_LOSS: confidence_loss}, supervised))
