@@ -92,6 +92,7 @@ def planned_draft(config, workdir: Path):
     import torch
 
     from algorithms import build_draft
+    from harness import devices
     from harness.targets import target_config, target_spec
 
     spec = target_spec(target_config(config.target, workdir), config.target)
@@ -99,7 +100,7 @@ def planned_draft(config, workdir: Path):
     if algorithm.shared.mask_token_id is None:
         algorithm = algorithm.replace(mask_token_id=0)  # placeholder for shape counting only; chosen at train time
     try:
-        with torch.device("meta"):
+        with devices.shapes_only():
             embed = torch.empty(spec.vocab_size, spec.hidden_size)
             return build_draft(algorithm, spec, embed, embed)
     except ValueError as error:

@@ -25,6 +25,26 @@ def is_accelerator(device: torch.device | str) -> bool:
     return torch.device(device).type != "cpu"
 
 
+class _NoRandomFill(torch.overrides.TorchFunctionMode):
+    """Skips normal fills: torch runs `normal_` on `meta` through a Python reference whose first call imports
+    torch._dynamo, about 2 s of a command's start-up for a fill that leaves no values."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.init.normal_:  # torch hands its arguments over by name
+            return kwargs["tensor"]
+        if func is torch.Tensor.normal_:
+            return args[0]
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def shapes_only():
+    """Modules built inside have shapes, dtypes and parameter counts but no values: on `meta`, unfilled."""
+    with torch.device("meta"), _NoRandomFill():
+        yield
+
+
 def model_device(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
 

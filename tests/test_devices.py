@@ -2,6 +2,8 @@
 device would otherwise stall, dtype-correct decoding, and one pinned device per study worker."""
 
 import re
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -163,3 +165,20 @@ def test_auto_precision_is_bf16_only_on_accelerators_and_cpus_with_native_bf16(t
         assert devices.uses_bf16("cpu", "auto") is has_bf16
         assert devices.uses_bf16("cuda", "auto") and devices.uses_bf16("cpu", "bf16")
         assert not devices.uses_bf16("cuda", "fp32") and not devices.uses_bf16("cpu", "fp32")
+
+
+def test_a_shapes_only_build_skips_the_fill_that_would_import_dynamo():
+    """`train` checks its knobs on a meta-device draft first; torch's meta `normal_` would import torch._dynamo
+    (about 2 s of every command's start-up) to fill values that meta tensors do not have."""
+    code = (
+        "import sys, torch\n"
+        "from harness import devices\n"
+        "with devices.shapes_only():\n"
+        "    layer = torch.nn.Linear(8, 4)\n"
+        "    torch.nn.init.normal_(layer.weight, std=0.02)\n"
+        "    layer.weight.normal_()\n"
+        "assert layer.weight.is_meta and layer.weight.shape == (4, 8)\n"
+        "assert 'torch._dynamo' not in sys.modules, 'a meta fill imported dynamo'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]

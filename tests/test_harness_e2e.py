@@ -491,13 +491,14 @@ def test_ctrl_c_ends_with_one_line_and_exit_130(e2e_workspace, e2e_workdir, tmp_
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
-        text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     chunks, regenerating = [], threading.Event()
 
     def read() -> None:
-        while chunk := process.stderr.read(256):
+        # os.read returns what the pipe holds; a buffered read(n) would wait for n bytes, which tqdm's
+        # progress bar only reaches when the first generation batch ends, long after the line appeared
+        while chunk := os.read(process.stderr.fileno(), 4096).decode(errors="replace"):
             chunks.append(chunk)
             if "regenerating responses" in "".join(chunks[-2:]):
                 regenerating.set()
