@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -89,12 +90,26 @@ def summarize(runs: list[DecodeStats], prefix: str) -> dict[str, float]:
     return metrics
 
 
+@dataclass(frozen=True)
+class OfflineReplay:
+    """Offline realized accepted lengths on the target's own greedy continuations."""
+
+    every_anchor: float  # pooled over every anchor of the continuations
+    cycles: list[list[float]]  # per prompt, each replayed decoding cycle's accepted length, in order
+
+    @property
+    def replayed(self) -> float:
+        """Pooled over the replayed cycles: positions weighted the way decoding visits them."""
+        lengths = [tau for prompt in self.cycles for tau in prompt]
+        return sum(lengths) / len(lengths) if lengths else 0.0
+
+
 @torch.no_grad()
 def offline_realized_on_continuations(
     target, draft: DFlashDraft, prompts: list[list[int]], continuations: list[list[int]]
-) -> tuple[float, float]:
+) -> OfflineReplay:
     """Offline realized accepted length on the target's own greedy continuations, from one teacher-forced
-    target pass per prompt: (pooled over every anchor, pooled over a replay of decoding cycles).
+    target pass per prompt, pooled over every anchor and over a replay of decoding cycles.
 
     The replay starts a block at the first generated position and jumps by each block's offline
     accepted length, so it weights positions the way decoding does; the all-anchor value weights
@@ -102,7 +117,7 @@ def offline_realized_on_continuations(
     """
     shared, device = draft.shared, devices.model_device(target.model)
     every_anchor: MetricCounts = {}
-    replay_lengths: list[float] = []
+    cycles: list[list[float]] = []
     for prompt, continuation in zip(prompts, continuations, strict=True):
         ids = prompt + continuation
         row = pack_row([Document(ids, [0] * len(prompt) + [1] * len(continuation))], len(ids))
@@ -117,15 +132,15 @@ def offline_realized_on_continuations(
             pool(every_anchor, draft.training_forward(row, on_device).counts)
         # the first anchor is the prompt's last token position + 1 (the first generated token)
         eligible = set(anchors.positions[anchors.valid].tolist())
-        position = len(prompt)
+        position, replayed = len(prompt), []
         while position in eligible:
             single = devices.anchors_to(Anchors(torch.tensor([position]), torch.tensor([True])), device)
             tau = finalize(draft.training_forward(row, single).counts)["realized_accepted_length"]
-            replay_lengths.append(tau)
+            replayed.append(tau)
             position += int(tau)
+        cycles.append(replayed)
     every = finalize(every_anchor)["realized_accepted_length"] if every_anchor else 0.0
-    replay = sum(replay_lengths) / len(replay_lengths) if replay_lengths else 0.0
-    return every, replay
+    return OfflineReplay(every, cycles)
 
 
 def evaluate(
@@ -179,7 +194,8 @@ def evaluate(
                     r["lossless"] for r in records if r["set"] == name and r["temperature"] == 0
                 ) / len(prompts)
                 if name == "chat":
-                    every, replay = offline_realized_on_continuations(target, draft, prompts, references)
+                    offline = offline_realized_on_continuations(target, draft, prompts, references)
+                    every, replay = offline.every_anchor, offline.replayed
                     measured = metrics[f"{name}_measured_accepted_length_greedy_pooled"]
                     metrics["chat_offline_realized_accepted_length"] = every
                     metrics["chat_offline_realized_accepted_length_replayed"] = replay

@@ -11,12 +11,24 @@ import pytest
 import torch
 
 import algorithms.unary_head as unary_head
+from algorithms import build_draft
+from algorithms.dflash import DFlashDraft
 from harness import devices
 from harness.decode import speculative_generate
 from harness.evaluate import offline_realized_on_continuations
 from studies import runner
 
-from conftest import anchors_for, packed_row, tiny_draft
+from conftest import (
+    HIDDEN,
+    TARGET_LAYERS,
+    VOCAB,
+    anchors_for,
+    frozen_tensors,
+    packed_row,
+    tiny_config,
+    tiny_draft,
+    tiny_target,
+)
 
 ROOT = Path(__file__).parent.parent
 
@@ -65,50 +77,109 @@ def _greedy(model, prompt: list[int], tokens: int) -> list[int]:
     return ids[len(prompt) :]
 
 
-@pytest.mark.parametrize(
-    ("algorithm", "threshold"),
-    [("dflash", 0.0), ("dflash2", 0.0), ("jetspec", 0.0), ("domino", 0.0), ("dspark", 0.0), ("dspark", 0.3)],
-)
-def test_decoding_and_offline_replay_run_on_a_non_default_dtype(algorithm, threshold):
-    """Target and draft in float64, generators from the helper on the model's device: a tensor built on the
-    wrong device or dtype fails here the way it would on CUDA. DSpark also decodes confidence-scheduled, which
-    must stay lossless while it verifies fewer tokens."""
+# The modules by which a member's proposal departs from the unary argmax path, randomised so that it does
+SEQUENTIAL_HEADS = ("candidate_selector", "prefix_gru", "embed_proj", "markov_head")
+HEAD_STD = 0.3  # their weights: large enough to move proposals, small enough to leave some accepted
+LIVE_TOKENS = 4  # the shared head's rows that are not zero: drafts and target agree often enough to accept
+
+
+def agreeable_pair(algorithm: str):
+    """A float64 target and draft that share their embedding and a head with few live rows (the draft reads the
+    target's head, as it does in use), so blocks are often partly accepted. The heads that make a member's own
+    walk (DFlash2's selector, Domino's GRU and delta, DSpark's Markov term) get weights large enough to move its
+    proposals away from the unary path; two of them start at zero, where every member would draft as DFlash."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    embed, head = frozen_tensors()
+    head[LIVE_TOKENS:] = 0
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        num_hidden_layers=8,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=TARGET_LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
         intermediate_size=128,
+        initializer_range=0.2,  # wide enough that the context, not only the last token, moves the next one
     )
-    model = LlamaForCausalLM(config).to(torch.float64).eval()
-    draft = tiny_draft(algorithm).to(torch.float64)
-    prompt = [1, 2, 3, 4, 5]
+    model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
-        greedy = speculative_generate(model, draft, prompt, 12, set(), 0.0, None, threshold)
-        assert greedy.tokens == _greedy(model, prompt, 12), "lossless at T = 0"
-        sampled = speculative_generate(
-            model, draft, prompt, 12, set(), 1.0, devices.generator(devices.model_device(model), 0), threshold
-        )
-    assert len(sampled.tokens) == 12
-    # A whole block per cycle: anchor + every draft slot, fewer where the token budget runs out.
-    slots, committed = draft.block_size - draft.shared.first_draft_slot, 1
-    whole = []
-    for length in greedy.acceptance_lengths:
-        whole.append(min(slots, 12 - committed) + 1)
-        committed += length
-    if threshold > 0:  # a fresh confidence head predicts about 1/2 per slot: blocks are cut
-        assert sum(greedy.verified_tokens) < sum(whole)
-    else:
-        assert greedy.verified_tokens == whole
-    every, replayed = offline_realized_on_continuations(
-        types.SimpleNamespace(model=model), draft, [prompt], [greedy.tokens]
+        model.model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.copy_(head)
+    draft = build_draft(tiny_config(algorithm), tiny_target(), embed, head)
+    with torch.no_grad():
+        for name, parameter in draft.named_parameters():
+            if name.startswith(SEQUENTIAL_HEADS):
+                parameter.normal_(std=HEAD_STD)
+    return model.to(torch.float64), draft.to(torch.float64)
+
+
+PROMPTS, BUDGET = ([1, 2, 3, 4, 5], [9, 8, 7], [42, 17, 5, 99]), 32
+
+
+def replay_disagreements(model, draft, greedy: list) -> list[str]:
+    """Where the offline replay (teacher-forced `realized`, one block per cycle) accepted other than measured
+    decoding did, one line per prompt. The last measured cycle is left out (the token budget ends it and the
+    replay knows no budget), as are the cycles after the replay stops, where no whole block fits in what is
+    left of the continuation (at most block size - 1 cycles)."""
+    offline = offline_realized_on_continuations(
+        types.SimpleNamespace(model=model), draft, list(PROMPTS), [run.tokens for run in greedy]
     )
-    assert every >= 1.0 and replayed >= 1.0
+    wrong = []
+    for prompt, run, replayed in zip(PROMPTS, greedy, offline.cycles, strict=True):
+        decided = len(run.acceptance_lengths) - 1
+        compared = min(len(replayed), decided)
+        if compared < decided - (draft.block_size - 1) or replayed[:compared] != run.acceptance_lengths[:compared]:
+            wrong.append(f"{prompt}: replayed {replayed}, measured {run.acceptance_lengths}")
+    return wrong
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "threshold"),
+    [("dflash", 0.0), ("dflash2", 0.0), ("jetspec", 0.0), ("domino", 0.0), ("dspark", 0.0), ("dspark", 0.3)],
+)
+def test_decoding_is_lossless_and_offline_replay_repeats_its_cycles_on_a_non_default_dtype(algorithm, threshold):
+    """Target and draft in float64, generators from the helper on the model's device: a tensor built on the
+    wrong device or dtype fails here the way it would on CUDA. At T = 0 decoding is the target's greedy
+    decoding, and for every member the offline replay accepts exactly what each measured cycle accepted. DSpark
+    also decodes confidence-scheduled, which must stay lossless while it verifies fewer tokens."""
+    model, draft = agreeable_pair(algorithm)
+    with torch.no_grad():
+        greedy = [speculative_generate(model, draft, p, BUDGET, set(), 0.0, None, threshold) for p in PROMPTS]
+        for prompt, run in zip(PROMPTS, greedy, strict=True):
+            assert run.tokens == _greedy(model, prompt, BUDGET), f"lossless at T = 0 on {prompt}"
+        sampled = speculative_generate(
+            model, draft, PROMPTS[0], BUDGET, set(), 1.0, devices.generator(devices.model_device(model), 0), threshold
+        )
+    assert len(sampled.tokens) == BUDGET
+    lengths = [length for run in greedy for length in run.acceptance_lengths]
+    assert max(lengths) > 1, "no draft token was accepted: the replay check would be empty"
+    # A whole block per cycle: anchor + every draft slot, fewer where the token budget runs out.
+    slots, verified, whole = draft.block_size - draft.shared.first_draft_slot, [], []
+    for run in greedy:
+        committed = 1
+        for length in run.acceptance_lengths:
+            whole.append(min(slots, BUDGET - committed) + 1)
+            committed += length
+        verified += run.verified_tokens
+    if threshold > 0:  # a fresh confidence head predicts about 1/2 per slot: blocks are cut
+        assert sum(verified) < sum(whole)
+        return
+    assert verified == whole
+    with torch.no_grad():
+        assert replay_disagreements(model, draft, greedy) == []
+
+
+@pytest.mark.parametrize("algorithm", ["dflash2", "domino", "dspark"])
+def test_the_replay_check_fails_for_a_member_that_decodes_its_unary_path(algorithm, monkeypatch):
+    """The check above can fail: a copy of the member whose decoding skips its own head (drafting DFlash's
+    unary argmax path while `realized` walks the head) disagrees with its replay."""
+    model, draft = agreeable_pair(algorithm)
+    monkeypatch.setattr(type(draft), "propose_from_hidden", DFlashDraft.propose_from_hidden)
+    with torch.no_grad():
+        greedy = [speculative_generate(model, draft, p, BUDGET, set(), 0.0, None, 0.0) for p in PROMPTS]
+        assert replay_disagreements(model, draft, greedy) != []
 
 
 def test_each_worker_gets_its_own_device(monkeypatch, tmp_path):
