@@ -161,8 +161,10 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-def e2e_run_config(algorithm: str = "dflash2", **train_overrides):
-    """The small preset, shrunk further so end-to-end tests fit CI; real target, real data."""
+def e2e_run_config(algorithm: str = "dflash2", max_anchors: int = 8, **train_overrides):
+    """The small preset, shrunk further so end-to-end tests fit CI; real target, real data. Training and
+    validation cost scale with the anchors per row: 8 serve the tests that check plumbing; the learning test
+    (`trained`) takes 16."""
     import dataclasses
 
     from harness.presets import preset_run
@@ -171,7 +173,7 @@ def e2e_run_config(algorithm: str = "dflash2", **train_overrides):
     config.data = dataclasses.replace(
         config.data, num_conversations=40, num_validation=8, max_new_tokens=48, row_length=512, max_length=192
     )
-    config.algorithm = config.algorithm.replace(max_anchors=16)
+    config.algorithm = config.algorithm.replace(max_anchors=max_anchors)
     # The final validation reads at most 8 evenly spaced anchors per document (64 of about 233): the tests that
     # read it check its plumbing, not its precision; the learning test (`trained`) reads every anchor.
     shrunk = {"max_steps": 4, "eval_every": 2, "log_every": 1, "checkpoint_every": 2, "final_validation_cap": 8}
@@ -221,7 +223,13 @@ def trained(e2e_workspace):
     return {
         algorithm: train(
             e2e_run_config(
-                algorithm, max_steps=60, eval_every=60, checkpoint_every=60, log_every=20, final_validation_cap=0
+                algorithm,
+                max_anchors=16,
+                max_steps=60,
+                eval_every=60,
+                checkpoint_every=60,
+                log_every=20,
+                final_validation_cap=0,
             ),
             e2e_workspace,
             run_name=f"learns-{algorithm}",

@@ -202,7 +202,7 @@ def _cli_train(workdir, run_name: str, *flags: str) -> list[str]:
     """`dflash-lab train` at the end-to-end sizes (conftest.e2e_run_config), as a subprocess command."""
     config_path = workdir / f"{run_name}.yaml"
     config_path.write_text("data: {max_new_tokens: 48, max_length: 192}\n")
-    sizes = ["--num-conversations", "40", "--num-validation", "8", "--row-length", "512", "--max-anchors", "16"]
+    sizes = ["--num-conversations", "40", "--num-validation", "8", "--row-length", "512", "--max-anchors", "8"]
     return [
         *(sys.executable, "-m", "harness.cli", "train", "--workdir", str(workdir), "--run-name", run_name),
         *sizes,
