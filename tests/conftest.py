@@ -30,6 +30,24 @@ def tiny_target(**overrides) -> TargetSpec:
     return TargetSpec(**fields)
 
 
+def tiny_llama(**overrides):
+    """A random Llama verifier with tiny_target()'s shapes (seed torch before calling it)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    spec = tiny_target()
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        intermediate_size=spec.intermediate_size,
+        **overrides,
+    )
+    return LlamaForCausalLM(config)
+
+
 def tiny_config(algorithm: str, **overrides) -> AlgorithmConfig:
     config = AlgorithmConfig.preset(algorithm, mask_token_id=5, num_draft_layers=2, block_size=4, max_anchors=8)
     small = {
@@ -164,7 +182,7 @@ def pytest_configure(config):
 def e2e_run_config(algorithm: str = "dflash2", max_anchors: int = 8, **train_overrides):
     """The small preset, shrunk further so end-to-end tests fit CI; real target, real data. Training and
     validation cost scale with the anchors per row: 8 serve the tests that check plumbing; the learning test
-    (`trained`) takes 16."""
+    (`trained`) and the distributed tests take 16."""
     import dataclasses
 
     from harness.presets import preset_run

@@ -34,7 +34,7 @@ from harness.features import OnlineFeatures, batch_features, final_dtype, packed
 from harness.train import LossWatch, TrainingRecipe, Workspace
 from harness.validation import subset_counts
 
-from conftest import HIDDEN, TARGET_LAYERS, VOCAB, tiny_config, tiny_target
+from conftest import HIDDEN, TARGET_LAYERS, VOCAB, tiny_config, tiny_llama, tiny_target
 
 STANDIN = "meta"
 STEPS = 3  # the optimizer's state exists from the first step; later steps use it
@@ -42,20 +42,9 @@ STEPS = 3  # the optimizer's state exists from the first step; later steps use i
 
 def standin_target(device: str = STANDIN) -> SimpleNamespace:
     """A tiny Llama verifier, frozen, on the stand-in (what `harness.targets.Target` gives the recipe)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     spec = tiny_target()
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_hidden_layers=TARGET_LAYERS,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
-        intermediate_size=spec.intermediate_size,
-    )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval().requires_grad_(False).to(device)
+    model = tiny_llama().eval().requires_grad_(False).to(device)
     return SimpleNamespace(
         model=model,
         spec=spec,

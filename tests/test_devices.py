@@ -19,14 +19,12 @@ from harness.evaluate import offline_realized_on_continuations
 from studies import runner
 
 from conftest import (
-    HIDDEN,
-    TARGET_LAYERS,
-    VOCAB,
     anchors_for,
     frozen_tensors,
     packed_row,
     tiny_config,
     tiny_draft,
+    tiny_llama,
     tiny_target,
 )
 
@@ -88,22 +86,11 @@ def agreeable_pair(algorithm: str):
     target's head, as it does in use), so blocks are often partly accepted. The heads that make a member's own
     walk (DFlash2's selector, Domino's GRU and delta, DSpark's Markov term) get weights large enough to move its
     proposals away from the unary path; two of them start at zero, where every member would draft as DFlash."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     embed, head = frozen_tensors()
     head[LIVE_TOKENS:] = 0
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_hidden_layers=TARGET_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
-        initializer_range=0.2,  # wide enough that the context, not only the last token, moves the next one
-    )
-    model = LlamaForCausalLM(config).eval()
+    # initializer_range: wide enough that the context, not only the last token, moves the next one
+    model = tiny_llama(initializer_range=0.2).eval()
     with torch.no_grad():
         model.model.embed_tokens.weight.copy_(embed)
         model.lm_head.weight.copy_(head)
