@@ -193,12 +193,15 @@ def leave() -> None:
 @contextmanager
 def joined(device: str, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Iterator[tuple[Ranks, str]]:
     """`join` for the duration of a command: only rank 0 logs below warnings, and the process group ends on
-    exit."""
+    exit, after every rank got there when none failed."""
     ranks, device = join(device, timeout_s)
     if not ranks.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     try:
         yield ranks, device
+        # A rank that tore its group down while a peer's gloo thread still talked to it could end that peer with
+        # "terminate called without an active exception"; after a failure there is no peer to wait for.
+        ranks.barrier()
     finally:
         leave()
 

@@ -1,0 +1,179 @@
+"""bf16-auto against fp32 on the main job: the same designed study run at both precisions, paired run by run.
+
+    python -m benchmarks.precision [--workdir work] [--study studies/default.yaml] [--n-jobs auto]
+
+The study file runs as it is (its `train.precision`, `auto` by default: bf16 autocast on a CPU with native bf16)
+and as a copy named `<name>-fp32` at fp32, both in --workdir, where the main job's caches are warm. A launch
+that already finished there is read back from MLflow, not rerun, so the main job itself can be the first arm.
+
+Each run is paired with the run of the other arm at the same design point (or reference baseline) and seed.
+A pair's two runs start from the same weights and anchors but follow different trajectories, so the mean
+difference over pairs, with its t interval over the pairs, holds both measurement and training noise; it is
+labelled as the report labels an effect, against the study's margin. Speed: each pair's fp32 / bf16 run wall
+time (geometric mean, t interval over pairs) and the two arms' summed run wall times. Writes
+benchmarks/PRECISION.md and prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from algorithms.metrics import ACCEPTED_LENGTHS
+from harness.devices import cpu_has_native_bf16, uses_bf16
+from harness.uncertainty import Estimate, mean_estimate
+from reports.collect import StudyRecord, collect
+from reports.designed import design_units, fit_recorded, recorded_design
+from reports.effects import label
+
+ROOT = Path(__file__).resolve().parent.parent
+FP32 = "fp32"
+
+
+def arm_files(study: Path, out: Path) -> dict[str, Path]:
+    """The study file as it is and its fp32 copy (named `<name>-fp32`)."""
+    spec = yaml.safe_load(study.read_text())
+    precision = spec["base"].get("train", {}).get("precision", "auto")
+    if precision == FP32:
+        raise SystemExit(f"error: invalid --study {study}: train.precision is already fp32; allowed auto or bf16")
+    copy = {**spec, "name": f"{spec['name']}-fp32"}
+    copy["base"] = {**spec["base"], "train": {**spec["base"].get("train", {}), "precision": FP32}}
+    path = out / f"{copy['name']}.yaml"
+    path.write_text(yaml.safe_dump(copy, sort_keys=False))
+    return {precision: study, FP32: path}
+
+
+def launch(path: Path, workdir: Path, n_jobs: str) -> str:
+    """Launch (or finish) the study; returns its name."""
+    command = [sys.executable, "-m", "harness.cli", "study", "launch", str(path), "--workdir", str(workdir)]
+    done = subprocess.run([*command, "--n-jobs", n_jobs, "--no-report"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"error: launching {path} failed: {done.stderr.strip().splitlines()[-1]}")
+    return yaml.safe_load(path.read_text())["name"]
+
+
+def pair_key(row) -> str:
+    """What makes two runs of the two arms the same run: design point (or baseline) and seed."""
+    point = row["design_point"] or f"baseline:{row['baseline']}"
+    return f"{point}|seed={row['seed']}"
+
+
+def finished(record: StudyRecord):
+    runs = record.runs
+    return {pair_key(row): row for _, row in runs[runs["status"] == "finished"].iterrows()}
+
+
+def paired(auto: StudyRecord, fp32: StudyRecord) -> list[tuple]:
+    a, b = finished(auto), finished(fp32)
+    return [(a[key], b[key]) for key in sorted(a.keys() & b.keys())]
+
+
+def geometric_mean_ratio(ratios: list[float]) -> Estimate:
+    """exp of the mean log ratio, with the interval mapped back."""
+    logs = mean_estimate(np.log(ratios))
+    return Estimate(math.exp(logs.value), logs.se, math.exp(logs.low), math.exp(logs.high), logs.n)
+
+
+def effects(record: StudyRecord) -> dict[str, str]:
+    recorded = recorded_design(record)
+    fit, _ = fit_recorded(recorded, design_units(record, recorded))
+    return {e.term: e.text() for e in fit.effects}
+
+
+def measure(args: argparse.Namespace) -> dict:
+    scratch = args.workdir / "precision"
+    scratch.mkdir(parents=True, exist_ok=True)
+    files = arm_files(args.study, scratch)
+    names = {precision: launch(path, args.workdir, args.n_jobs) for precision, path in files.items()}
+    (precision,) = names.keys() - {FP32}
+    records = {p: collect(name, args.workdir) for p, name in names.items()}
+    pairs = paired(records[precision], records[FP32])
+    margin = recorded_design(records[FP32]).margin
+    differences = {}
+    for metric in ACCEPTED_LENGTHS:
+        estimate = mean_estimate([a[metric] - b[metric] for a, b in pairs])
+        verdict, bound = label(estimate, margin)
+        differences[metric] = {"estimate": estimate.text(signed=True), "label": verdict, "bound": bound}
+    return {
+        "precision": precision,
+        "computes_in": "bf16" if uses_bf16("cpu", precision) else "fp32",
+        "native_bf16": cpu_has_native_bf16(),
+        "cpus": os.cpu_count(),
+        "n_jobs": args.n_jobs,
+        "pairs": len(pairs),
+        "margin": margin,
+        "differences": differences,
+        "speedup_per_run": geometric_mean_ratio([b["wall_s"] / a["wall_s"] for a, b in pairs]).text(),
+        "run_wall_min": {p: sum(a["wall_s"] if p == precision else b["wall_s"] for a, b in pairs) / 60 for p in names},
+        "effects": {p: effects(record) for p, record in records.items()},
+    }
+
+
+def markdown(result: dict, args: argparse.Namespace) -> str:
+    precision = result["precision"]
+    walls = result["run_wall_min"]
+    rows = [f"| {m} | {d['estimate']} | {d['label']} |" for m, d in result["differences"].items()]
+    terms = result["effects"][FP32].keys()
+    effect_rows = [
+        f"| `{t}` | {result['effects'][precision].get(t, '–')} | {result['effects'][FP32][t]} |" for t in terms
+    ]
+    return "\n".join(
+        [
+            "# bf16-auto against fp32 on the main job",
+            "",
+            f"Measured {datetime.now(UTC).strftime('%Y-%m-%d')} with `python -m benchmarks.precision --study "
+            f"{args.study.relative_to(ROOT) if args.study.is_relative_to(ROOT) else args.study} --n-jobs "
+            f"{args.n_jobs}` on this machine ({result['cpus']} CPUs, native bf16: "
+            f"{'yes' if result['native_bf16'] else 'no'}; `{precision}` computes in {result['computes_in']} here). "
+            f"{result['pairs']} pairs: each run of the study against the fp32 run at the same design point and seed.",
+            "",
+            f"## Accepted lengths, {precision} − fp32 (mean over pairs, 95% t interval over pairs)",
+            "",
+            "A pair's runs follow different trajectories, so the interval holds training noise as well as "
+            f"measurement noise. Labels as the report's, against the study's margin ±{result['margin']:g}.",
+            "",
+            "| metric (final validation, every anchor) | difference | label |",
+            "|---|---|---|",
+            *rows,
+            "",
+            "## Speed",
+            "",
+            f"- Per run, fp32 wall time / {precision} wall time: {result['speedup_per_run']} "
+            "(geometric mean over pairs).",
+            f"- Summed run wall time: {walls[precision]:.1f} min at {precision}, {walls[FP32]:.1f} min at fp32 "
+            f"({walls[FP32] / walls[precision]:.2f}x).",
+            "",
+            "## The design's effects in each arm",
+            "",
+            f"| effect | {precision} | fp32 |",
+            "|---|---|---|",
+            *effect_rows,
+            "",
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path("work"), help="with the main job's caches")
+    parser.add_argument("--study", type=Path, default=ROOT / "studies" / "default.yaml", help="a designed study")
+    parser.add_argument("--n-jobs", default="auto", help="as `study launch --n-jobs` (default: auto)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "PRECISION.md")
+    args = parser.parse_args()
+    args.study = args.study.resolve()
+    result = measure(args)
+    args.out.write_text(markdown(result, args))
+    print(json.dumps(result, default=str))
+
+
+if __name__ == "__main__":
+    main()
