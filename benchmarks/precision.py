@@ -32,7 +32,7 @@ from algorithms.metrics import ACCEPTED_LENGTHS
 from harness.devices import cpu_has_native_bf16, uses_bf16
 from harness.uncertainty import Estimate, mean_estimate
 from reports.collect import StudyRecord, collect
-from reports.designed import design_units, fit_recorded, recorded_design
+from reports.designed import design_units, fit_recorded, recorded_design, term_label
 from reports.effects import label
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,9 +84,10 @@ def geometric_mean_ratio(ratios: list[float]) -> Estimate:
 
 
 def effects(record: StudyRecord) -> dict[str, str]:
+    """Each fitted effect's text, named as the report names it."""
     recorded = recorded_design(record)
     fit, _ = fit_recorded(recorded, design_units(record, recorded))
-    return {e.term: e.text() for e in fit.effects}
+    return {term_label(e.term, recorded.reference): e.text() for e in fit.effects}
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -118,14 +119,17 @@ def measure(args: argparse.Namespace) -> dict:
     }
 
 
+def cell(text: str) -> str:
+    """A markdown table cell: "|effect| < X" must not split it."""
+    return text.replace("|", "\\|")
+
+
 def markdown(result: dict, args: argparse.Namespace) -> str:
     precision = result["precision"]
     walls = result["run_wall_min"]
     rows = [f"| {m} | {d['estimate']} | {d['label']} |" for m, d in result["differences"].items()]
-    terms = result["effects"][FP32].keys()
-    effect_rows = [
-        f"| `{t}` | {result['effects'][precision].get(t, '–')} | {result['effects'][FP32][t]} |" for t in terms
-    ]
+    arms = result["effects"]
+    effect_rows = [f"| {t} | {cell(arms[precision].get(t, '–'))} | {cell(text)} |" for t, text in arms[FP32].items()]
     return "\n".join(
         [
             "# bf16-auto against fp32 on the main job",

@@ -1,4 +1,4 @@
-"""The bf16-vs-fp32 benchmark's pairing and summaries, on hand-built records (no MLflow, no training)."""
+"""The benchmarks' own logic on hand-built inputs (no MLflow, no training): precision pairing, standing verdicts."""
 
 import math
 
@@ -8,6 +8,7 @@ import yaml
 
 from algorithms.metrics import ACCEPTED_LENGTHS
 from benchmarks.precision import arm_files, geometric_mean_ratio, paired
+from benchmarks.time_to_verdict import standing_from
 from reports.collect import StudyRecord
 
 
@@ -56,3 +57,10 @@ def test_the_fp32_arm_is_the_study_renamed_at_fp32_and_an_fp32_study_is_refused(
     study.write_text(yaml.safe_dump({"name": "s", "base": {"train": {"precision": "fp32"}}}))
     with pytest.raises(SystemExit, match="already fp32"):
         arm_files(study, tmp_path)
+
+
+def test_a_verdict_counts_only_from_the_fit_after_which_every_later_fit_agrees():
+    assert standing_from([False, True, False, True, True]) == 3  # the lucky fit at 1 was overturned at 2
+    assert standing_from([True, True]) == 0
+    assert standing_from([True, False]) is None  # the whole design does not resolve: no verdict
+    assert standing_from([]) is None
