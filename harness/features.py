@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from algorithms.blocks import PackedRow
 from harness.data import Document, pack_documents, pack_row, stable_hash
-from harness.devices import autocast, dtype_name, ids_on, model_device
+from harness.devices import autocast, dtype_name, ids_on, is_accelerator, model_device
 from harness.distributed import SINGLE, Ranks
 from harness.files import atomic_write
 from harness.targets import file_sha256
@@ -80,9 +80,11 @@ class OnlineFeatures:
 
 
 def target_precision(model: torch.nn.Module):
-    """How the frozen target computes features, for the cache and online alike: bf16 on CUDA, fp32 on the CPU
-    (the stored dtypes stay those of `stored`)."""
-    return autocast(model_device(model), "auto")
+    """How the frozen target computes features, for the cache and online alike: bf16 on an accelerator, fp32 on
+    any CPU, native bf16 or not, so that a CPU's cache holds the same features on every CPU (the stored dtypes
+    stay those of `stored`)."""
+    device = model_device(model)
+    return autocast(device, "bf16" if is_accelerator(device) else "fp32")
 
 
 def stored(features: torch.Tensor, final: torch.Tensor, final_as: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,16 +105,20 @@ def test_unknown_loss_rejected():
         _build("dflash", loss="bogus", position_weighting="fixed-exp-decay")
 
 
-def test_precision_knob_is_validated_and_drives_autocast():
+def test_precision_knob_is_validated_and_drives_autocast(monkeypatch):
+    from harness import devices
     from harness.config import TrainConfig
-    from harness.devices import autocast
 
     with pytest.raises(ValueError, match="invalid knob precision='fp16'"):
         TrainConfig(precision="fp16").validate()
-    with autocast("cpu", "bf16"):
+    with devices.autocast("cpu", "bf16"):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-    with autocast("cpu", "auto"):
-        assert not torch.is_autocast_enabled("cpu")
+    for native_bf16 in (False, True):  # `auto` follows the CPU's flags, whatever this machine's are
+        monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda native=native_bf16: native)
+        with devices.autocast("cpu", "auto"):
+            assert torch.is_autocast_enabled("cpu") == native_bf16
+        with devices.autocast("cpu", "fp32"):
+            assert not torch.is_autocast_enabled("cpu")
 
 
 @pytest.mark.parametrize(
@@ -165,3 +169,13 @@ def test_an_integer_is_a_valid_float_knob_and_none_a_valid_optional():
     data = RunConfig(AlgorithmConfig.preset("dflash2")).to_dict()
     data["train"]["learning_rate"], data["shared"]["target_layer_ids"] = 1, None
     RunConfig.from_dict(data).validate()
+
+
+def test_the_target_computes_features_in_fp32_on_any_cpu(monkeypatch):
+    """A CPU's feature cache holds the same features whether or not the CPU has native bf16."""
+    from harness import devices
+    from harness.features import target_precision
+
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: True)
+    with target_precision(torch.nn.Linear(2, 2)):
+        assert not torch.is_autocast_enabled("cpu")
