@@ -20,8 +20,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
-import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -29,7 +27,9 @@ import numpy as np
 import yaml
 
 from algorithms.metrics import ACCEPTED_LENGTHS
+from benchmarks.time_to_verdict import launch
 from harness.devices import cpu_has_native_bf16, uses_bf16
+from harness.tracking import RunStatus
 from harness.uncertainty import Estimate, mean_estimate
 from reports.collect import StudyRecord, collect
 from reports.designed import design_units, fit_recorded, recorded_design, term_label
@@ -52,15 +52,6 @@ def arm_files(study: Path, out: Path) -> dict[str, Path]:
     return {precision: study, FP32: path}
 
 
-def launch(path: Path, workdir: Path, n_jobs: str) -> str:
-    """Launch (or finish) the study; returns its name."""
-    command = [sys.executable, "-m", "harness.cli", "study", "launch", str(path), "--workdir", str(workdir)]
-    done = subprocess.run([*command, "--n-jobs", n_jobs, "--no-report"], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"error: launching {path} failed: {done.stderr.strip().splitlines()[-1]}")
-    return yaml.safe_load(path.read_text())["name"]
-
-
 def pair_key(row) -> str:
     """What makes two runs of the two arms the same run: design point (or baseline) and seed."""
     point = row["design_point"] or f"baseline:{row['baseline']}"
@@ -69,7 +60,7 @@ def pair_key(row) -> str:
 
 def finished(record: StudyRecord):
     runs = record.runs
-    return {pair_key(row): row for _, row in runs[runs["status"] == "finished"].iterrows()}
+    return {pair_key(row): row for _, row in runs[runs["status"] == RunStatus.FINISHED].iterrows()}
 
 
 def paired(auto: StudyRecord, fp32: StudyRecord) -> list[tuple]:
@@ -94,7 +85,10 @@ def measure(args: argparse.Namespace) -> dict:
     scratch = args.workdir / "precision"
     scratch.mkdir(parents=True, exist_ok=True)
     files = arm_files(args.study, scratch)
-    names = {precision: launch(path, args.workdir, args.n_jobs) for precision, path in files.items()}
+    names = {}
+    for arm, path in files.items():
+        launch(path, args.workdir, args.n_jobs)
+        names[arm] = yaml.safe_load(path.read_text())["name"]
     (precision,) = names.keys() - {FP32}
     records = {p: collect(name, args.workdir) for p, name in names.items()}
     pairs = paired(records[precision], records[FP32])
@@ -114,7 +108,10 @@ def measure(args: argparse.Namespace) -> dict:
         "margin": margin,
         "differences": differences,
         "speedup_per_run": geometric_mean_ratio([b["wall_s"] / a["wall_s"] for a, b in pairs]).text(),
-        "run_wall_min": {p: sum(a["wall_s"] if p == precision else b["wall_s"] for a, b in pairs) / 60 for p in names},
+        "run_wall_min": {
+            precision: sum(a["wall_s"] for a, _ in pairs) / 60,
+            FP32: sum(b["wall_s"] for _, b in pairs) / 60,
+        },
         "effects": {p: effects(record) for p, record in records.items()},
     }
 

@@ -89,14 +89,18 @@ def replay(recorded: RecordedDesign, record, launched: float) -> dict:
     }
 
 
+def launch(path: Path, workdir: Path, n_jobs: str) -> None:
+    """`dflash-lab study launch` without a report: runs what is left of the study (nothing, once finished)."""
+    command = [sys.executable, "-m", "harness.cli", "study", "launch", str(path), "--workdir", str(workdir)]
+    done = subprocess.run([*command, "--n-jobs", n_jobs, "--no-report"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"error: launching {path} failed: {done.stderr.strip().splitlines()[-1]}")
+
+
 def measure(layout: str, args: argparse.Namespace, out: Path) -> dict:
     precision, jobs = layout.split(":")
     name = f"ttv-{precision}-{jobs}job-{args.steps}steps"
-    path = study_file(out, name, args.steps, args.seeds, precision)
-    command = [sys.executable, "-m", "harness.cli", "study", "launch", str(path), "--workdir", str(args.workdir)]
-    done = subprocess.run([*command, "--n-jobs", jobs, "--no-report"], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"error: layout {layout} failed: {done.stderr.strip().splitlines()[-1]}")
+    launch(study_file(out, name, args.steps, args.seeds, precision), args.workdir, jobs)
     # Times come from MLflow (the parent run's start, each run's end), so a rerun on a finished study replays
     # the recorded launch instead of timing a relaunch that has nothing left to do.
     record = collect(name, args.workdir)
@@ -120,7 +124,11 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
     rows = []
     for r in results:
         final = r["final"]
-        effects = ", ".join(f"{k} {v}" for k, v in final["effects"].items()) + f" ({final['dof']} df)"
+        effects = (
+            ", ".join(f"{k} {v}" for k, v in final["effects"].items()) + f" ({final['dof']} df)"
+            if final
+            else "no finished run"
+        )
         computes = "bf16" if r["bf16"] else "fp32"
         rows.append(
             f"| {r['layout']} | {computes} | {when(r['verdict'])} | {when(r['first_resolved'])} | "
@@ -161,13 +169,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "TIME_TO_VERDICT.md")
     args = parser.parse_args()
     args.seeds = [int(s) for s in args.seeds.split(",")]
-    args.layouts = layouts = args.layouts.split(",")
-    for layout in layouts:
+    args.layouts = args.layouts.split(",")
+    for layout in args.layouts:
         if not re.fullmatch(r"(fp32|auto|bf16):[1-9][0-9]*", layout):
             raise SystemExit(f"error: invalid --layouts entry {layout!r}: allowed PRECISION:JOBS, e.g. fp32:2")
     scratch = args.workdir / "time-to-verdict"
     scratch.mkdir(parents=True, exist_ok=True)
-    results = [measure(layout, args, scratch) for layout in layouts]
+    results = [measure(layout, args, scratch) for layout in args.layouts]
     args.out.write_text(markdown(results, args))
     print(json.dumps(results, default=str))
 
