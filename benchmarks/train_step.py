@@ -35,6 +35,7 @@ from algorithms.modeling import RMSNorm
 from benchmarks.peers import fixed_anchors, speculators_draft, speculators_inputs, speculators_train_kwargs
 from harness import devices
 from harness.devices import autocast, synchronize  # the training loop's precision, applied to both sides
+from harness.distributed import exit_rank, joined, run_ranks, shard
 
 
 @dataclass(frozen=True)
@@ -450,7 +451,6 @@ def rank_throughput(
 ) -> None:
     """One rank of a scaling leg (run under torchrun): the training loop's data-parallel step (this rank's anchors,
     FSDP2-sharded draft, optimizer step) on one fixed global batch; rank 0 writes the global query tokens/s."""
-    from harness.distributed import joined, shard
     from harness.train import optimizer_step, rank_part
 
     with joined(device) as (ranks, device):
@@ -486,15 +486,15 @@ def scaling(
     efficiency is the ratio of the throughputs; on GPUs each rank has its own device and it is that ratio / N."""
     import os
 
-    from harness.distributed import run_ranks
-
     legs: dict[int, list[dict]] = {1: [], nproc: []}
     for ranks in [1, nproc] * repeats:
         output = Path(os.environ.get("TMPDIR", "/tmp")) / f"scaling-{os.getpid()}-{ranks}.json"
         args = ["--rank-throughput", "--sizes", size_name, "--algorithms", algorithm, "--device", device]
         args += ["--precisions", precision, "--steps", str(steps), "--warmup", str(warmup)]
-        if run_ranks(ranks, "benchmarks.train_step", [*args, "--rank-output", str(output)], output.parent).status != 0:
-            return {"size": size_name, "algorithm": algorithm, "error": f"the {ranks}-rank leg failed"}
+        ended = run_ranks(ranks, "benchmarks.train_step", [*args, "--rank-output", str(output)], output.parent)
+        if ended.status != 0:
+            why = ended.lost or f"exit status {ended.status}"
+            return {"size": size_name, "algorithm": algorithm, "error": f"the {ranks}-rank leg failed: {why}"}
         legs[ranks].append(json.loads(output.read_text()))
         output.unlink()
     best = {ranks: max(leg["query_tokens_per_s"] for leg in runs) for ranks, runs in legs.items()}
@@ -619,4 +619,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_rank(main())

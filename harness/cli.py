@@ -501,5 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # how torchrun starts a rank
+    from harness.distributed import exit_rank
+
+    exit_rank(main())

@@ -5,6 +5,7 @@ and every helper here is then a no-op, so training has one code path.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import json
 import logging
@@ -12,12 +13,13 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -199,11 +201,28 @@ def joined(device: str, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Iter
         logging.getLogger().setLevel(logging.WARNING)
     try:
         yield ranks, device
-        # A rank that tore its group down while a peer's gloo thread still talked to it could end that peer with
-        # "terminate called without an active exception"; after a failure there is no peer to wait for.
-        ranks.barrier()
+        ranks.barrier()  # no rank tears its group down while a peer still talks to it; after a failure none will
     finally:
         leave()
+
+
+def exit_rank(status: int | None) -> NoReturn:
+    """End a torchrun rank's process with `status`, skipping the interpreter's final teardown in a multi-rank job.
+
+    FSDP2's device meshes keep the gloo process group, and its worker threads, alive past destroy_process_group.
+    A worker that drops the last reference to a tensor while the interpreter finalizes cannot take the GIL and
+    aborts the whole process ("terminate called without an active exception", exit -6): under CPU load, 5 of 40
+    two-rank jobs did with sys.exit, none of 40 through here (benchmarks/RANK_EXIT.md). Exit handlers (MLflow,
+    logging) still run and the streams are flushed; the process then ends before finalization."""
+    if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
+        sys.exit(status)
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status or 0)
 
 
 def stop_on_sigterm() -> None:

@@ -1,4 +1,10 @@
-"""Data parallelism in one process: rank parts of a batch add up to the batch; the helpers of a world of one."""
+"""Data parallelism in one process: rank parts of a batch add up to the batch; the helpers of a world of one;
+how a rank's process ends."""
+
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -90,3 +96,40 @@ def test_a_world_of_one_needs_no_process_group():
     assert SINGLE.gather("x") == ["x"] and SINGLE.from_main({"a": 1}) == {"a": 1}
     value = torch.tensor([1.0, 2.0])
     assert SINGLE.sum_(value) is value and value.tolist() == [1.0, 2.0]
+
+
+RANK_ENDING = textwrap.dedent(
+    """
+    import atexit, sys, threading, time
+    from pathlib import Path
+    from harness.distributed import exit_rank
+
+    out = Path(sys.argv[1])
+    atexit.register(lambda: (out / "exit-handler").write_text("ran"))
+    threading.Thread(target=lambda: (time.sleep(0.3), (out / "thread").write_text("done"))).start()
+    print("buffered", end="")
+    class TornDown:  # only the interpreter's teardown deletes a module global
+        def __init__(self, path): self.path = path
+        def __del__(self, open=open): open(self.path, "w").write("yes")
+    keep = TornDown(str(out / "torn-down"))
+    exit_rank(3)
+    """
+)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_rank_ends_with_its_status_after_exit_handlers_threads_and_buffered_output(tmp_path, world_size):
+    """A rank of a multi-rank job runs its exit handlers, waits for its threads and flushes its streams, then
+    ends without the interpreter's teardown (a module global is never deleted); a world of
+    one exits the ordinary way."""
+    torchrun = {"RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
+    ended = subprocess.run(
+        [sys.executable, "-c", RANK_ENDING, str(tmp_path)],
+        env={**os.environ, **torchrun},
+        capture_output=True,
+        text=True,
+    )
+    assert ended.returncode == 3, ended.stderr
+    assert ended.stdout == "buffered"
+    assert (tmp_path / "exit-handler").read_text() == "ran" and (tmp_path / "thread").read_text() == "done"
+    assert (tmp_path / "torn-down").exists() == (world_size == 1)
