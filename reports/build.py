@@ -12,10 +12,15 @@ from reports.render import headline, leaderboard_frame, render, render_compariso
 LEADERBOARD_TABLE = "report/leaderboard.json"
 
 
-def build_report(study: str, workdir: Path, out_root: Path = Path("reports")) -> Path:
+def report_root(workdir: Path) -> Path:
+    """Where reports go unless told otherwise: inside the work directory, like everything a command writes."""
+    return workdir / "reports"
+
+
+def build_report(study: str, workdir: Path, out_root: Path | None = None) -> Path:
     """Write <out_root>/<study>/README.md plus its PNGs, and log them as parent-run artifacts."""
     record = collect(study, workdir)
-    out_dir = out_root / study
+    out_dir = (out_root or report_root(workdir)) / study
     client = tracking.client(workdir)
     parent = record.parent["run_id"]
     markdown = render(record, out_dir, lambda name, figure: client.log_figure(parent, figure, f"report/{name}"))
@@ -31,9 +36,9 @@ def build_report(study: str, workdir: Path, out_root: Path = Path("reports")) ->
     return path
 
 
-def build_comparison(first: str, second: str, workdir: Path, out_root: Path = Path("reports")) -> Path:
+def build_comparison(first: str, second: str, workdir: Path, out_root: Path | None = None) -> Path:
     markdown = render_comparison(collect(first, workdir), collect(second, workdir))
-    path = out_root / f"compare-{first}-vs-{second}" / "README.md"
+    path = (out_root or report_root(workdir)) / f"compare-{first}-vs-{second}" / "README.md"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(markdown)
     return path

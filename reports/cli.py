@@ -29,10 +29,10 @@ def add_report_command(commands, add_common) -> None:
     report = commands.add_parser(
         "report",
         help="markdown ablation report from what MLflow recorded",
-        description="Write reports/<study>/README.md and figures from the tracking store alone.",
+        description="Write <workdir>/reports/<study>/README.md and figures from the tracking store alone.",
     )
     add_common(report)
     report.add_argument("study", nargs="?", help="study name")
     report.add_argument("--compare", nargs=2, metavar=("STUDY_A", "STUDY_B"), help="two studies side by side")
-    report.add_argument("--out", type=Path, default=Path("reports"), help="output root (default: ./reports)")
+    report.add_argument("--out", type=Path, help="output root (default: <workdir>/reports)")
     report.set_defaults(handler=cmd_report)

@@ -55,7 +55,7 @@ def _launch(study_file: Path, workdir: Path, *extra: str, cwd: Path, env=None, *
 
 @pytest.fixture(scope="session")
 def launched(e2e_workspace, e2e_workdir, tmp_path_factory):
-    """The tiny study, launched once through the CLI (its report lands under <cwd>/reports)."""
+    """The tiny study, launched once through the CLI from an empty directory (its report lands in the workdir)."""
     cwd = tmp_path_factory.mktemp("launch")
     done = _launch(TINY, e2e_workdir, cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -170,7 +170,8 @@ def test_the_mlflow_ui_columns_read_well(launched, e2e_workdir, tmp_path):
 
 def test_report_numbers_equal_mlflow_and_regenerate_identically(launched, e2e_workdir):
     _, cwd = launched
-    report = cwd / "reports" / "tiny" / "README.md"
+    assert [p.name for p in cwd.iterdir()] == [], "nothing is written outside the workdir"
+    report = e2e_workdir / "reports" / "tiny" / "README.md"
     markdown = report.read_text()
     client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
     runs = client.search_runs([client.get_experiment_by_name("dflash-lab/tiny").experiment_id])
@@ -265,7 +266,7 @@ def test_report_for_study_without_completed_trials_says_so(launched, e2e_workdir
     )
     done = _launch(study_file, e2e_workdir, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    markdown = (tmp_path / "reports" / "nothing" / "README.md").read_text()
+    markdown = (e2e_workdir / "reports" / "nothing" / "README.md").read_text()
     assert "No trial or baseline completed, so there is nothing to rank yet." in markdown
     assert "0 completed trial(s): too few to estimate knob effects." in markdown
     assert markdown.count("| infeasible |") == 2
@@ -616,7 +617,7 @@ def test_a_killed_design_with_two_workers_runs_every_point_once_and_reports_its_
     names = [r.info.run_name for r in runs]
     assert len(names) == len(set(names)) == 4, "one run per point and seed, none twice"
     assert all(r.data.tags[tracking.TAG_STATUS] == "finished" for r in runs)
-    report = (tmp_path / "reports" / "tiny-design" / "README.md").read_text()
+    report = (e2e_workdir / "reports" / "tiny-design" / "README.md").read_text()
     section = report.split("## Designed effects")[1].split("## Learning curves")[0]
     assert "full 2^1 factorial: 2 points" in section and "4 runs" in section and "2 residual degrees" in section
     assert "| `conv` |" in section
