@@ -165,6 +165,11 @@ def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_ENV)
 
 
+def in_multi_rank_job() -> bool:
+    """This process is one of several torchrun ranks (torchrun with one rank is a world of one)."""
+    return launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1
+
+
 def backend_for(device: str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
@@ -173,7 +178,7 @@ def join(device: str, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> tuple[
     """Join the process group torchrun set up (or stay a world of one) and return this rank's device:
     `cuda:<local rank>` on CUDA, the CPU otherwise. A collective that waits longer than `timeout_s` for a
     lost rank fails instead of hanging."""
-    if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
+    if not in_multi_rank_job():
         return SINGLE, device
     ranks = Ranks(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
     if torch.device(device).type == "cuda":
@@ -214,7 +219,7 @@ def exit_rank(status: int | None) -> NoReturn:
     aborts the whole process ("terminate called without an active exception", exit -6): under CPU load, 5 of 40
     two-rank jobs did with sys.exit, none of 40 through here (benchmarks/RANK_EXIT.md). Exit handlers (MLflow,
     logging) still run and the streams are flushed; the process then ends before finalization."""
-    if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
+    if not in_multi_rank_job():
         sys.exit(status)
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:

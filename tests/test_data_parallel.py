@@ -120,8 +120,8 @@ RANK_ENDING = textwrap.dedent(
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_rank_ends_with_its_status_after_exit_handlers_threads_and_buffered_output(tmp_path, world_size):
     """A rank of a multi-rank job runs its exit handlers, waits for its threads and flushes its streams, then
-    ends without the interpreter's teardown (a module global is never deleted); a world of
-    one exits the ordinary way."""
+    ends without the interpreter's teardown (a module global is never deleted); a world of one exits the
+    ordinary way."""
     torchrun = {"RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
     ended = subprocess.run(
         [sys.executable, "-c", RANK_ENDING, str(tmp_path)],
