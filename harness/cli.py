@@ -442,6 +442,23 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, LookupError, OSError, OperationalError)
 
 
+def print_error(message: str) -> None:
+    """Write a command's one-line error on a line of its own.
+
+    An error can leave a progress bar's line unfinished: a Ctrl-C that lands inside tqdm's constructor, after its
+    first draw, never enters the `with` block whose exit would end the line. So every bar still open is ended first.
+    """
+    from tqdm import tqdm
+
+    for bar in list(tqdm._instances):  # tqdm's registry of open bars; the bars of tqdm.auto register there too
+        try:
+            bar.close()  # redraws the bar and ends its line
+        except AttributeError:  # built only up to its first draw: end the line it drew
+            if (stream := getattr(bar, "fp", None)) is not None:
+                stream.write("\n")
+    print(message, file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -472,28 +489,27 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except KeyboardInterrupt as stop:
         if isinstance(stop, Preempted):
-            print(
+            print_error(
                 "error: terminated (SIGTERM); finished work is kept: a run is recorded interrupted "
-                "(`train ... --resume` continues it) and launching a study again resumes its trial",
-                file=sys.stderr,
+                "(`train ... --resume` continues it) and launching a study again resumes its trial"
             )
             return SIGTERM_EXIT
-        print("error: interrupted (Ctrl-C); finished work is kept and resumes where it stopped", file=sys.stderr)
+        print_error("error: interrupted (Ctrl-C); finished work is kept and resumes where it stopped")
         return 130
     except RankStopped as stop:  # its run is recorded failed; a dflash-lab launcher speaks for the whole job
         if LAUNCHED_RUN_ENV not in os.environ:
-            print(f"error: {stop}", file=sys.stderr)
+            print_error(f"error: {stop}")
         return SIGTERM_EXIT
     except SystemExit as stop:
         if not isinstance(stop.code, str):
             raise
-        print(stop.code, file=sys.stderr)  # the commands' own one-line `error: ...`
+        print_error(stop.code)  # the commands' own one-line `error: ...`
         return 2
     except user_errors() as error:
         if args.verbose:
             raise
         message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        print(f"error: {message}", file=sys.stderr)
+        print_error(f"error: {message}")
         return 2
     except Exception:
         if job_stopping():  # a collective failed because a peer rank was stopped first: the launcher speaks

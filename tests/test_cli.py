@@ -344,3 +344,21 @@ def test_bad_input_ends_in_one_error_line_exit_2_and_leaves_the_workdir_alone(
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert _fingerprint(workdir) == before
+
+
+@pytest.mark.parametrize("built", ["whole", "up to its first draw"])
+def test_an_error_after_an_unfinished_progress_bar_starts_its_own_line(capsys, built):
+    """A Ctrl-C inside tqdm's constructor (after its first draw) leaves a bar that no `with` block ends; the error
+    once ran on into the bar's line ('... 0/240 [00:00<?, ?turn/s]error: interrupted'), as CI saw."""
+    from tqdm.auto import tqdm
+
+    from harness.cli import print_error
+
+    bar = tqdm(total=240, desc="regenerating responses", unit="turn", file=sys.stderr)
+    if built != "whole":
+        del bar.start_t  # the constructor sets it last, after the first draw
+    print_error("error: interrupted (Ctrl-C)")
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1] == "error: interrupted (Ctrl-C)"
+    assert lines[-2].startswith("regenerating responses:   0%")
+    assert bar not in tqdm._instances
