@@ -35,7 +35,7 @@ from algorithms.modeling import RMSNorm
 from benchmarks.peers import fixed_anchors, speculators_draft, speculators_inputs, speculators_train_kwargs
 from harness import devices
 from harness.devices import autocast, synchronize  # the training loop's precision, applied to both sides
-from harness.distributed import exit_rank, joined, run_ranks, shard
+from harness.distributed import exit_rank_after, joined, run_ranks, shard
 
 
 @dataclass(frozen=True)
@@ -619,4 +619,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_rank(main())
+    exit_rank_after(main)

@@ -518,6 +518,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # how torchrun starts a rank
-    from harness.distributed import exit_rank
+    from harness.distributed import exit_rank_after
 
-    exit_rank(main())
+    exit_rank_after(main)

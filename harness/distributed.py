@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -228,6 +228,22 @@ def exit_rank(status: int | None) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status or 0)
+
+
+def exit_rank_after(entry: Callable[[], int | None]) -> NoReturn:
+    """Run a torchrun rank's entry point and end through exit_rank whatever way it ends: an exception that escapes
+    is reported as the interpreter would (its traceback on stderr, status 1) instead of ending in the teardown
+    that exit_rank avoids."""
+    try:
+        status = entry()
+    except SystemExit as stop:
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+        status = 1 if isinstance(stop.code, str) else stop.code
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        status = 1
+    exit_rank(status)
 
 
 def stop_on_sigterm() -> None:

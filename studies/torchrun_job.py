@@ -16,7 +16,7 @@ from pathlib import Path
 import optuna
 
 from harness.config import RunConfig
-from harness.distributed import exit_rank, joined, run_ranks
+from harness.distributed import exit_rank_after, joined, run_ranks
 from harness.files import atomic_write, remove
 from harness.run import Run
 from harness.tracking import RunStatus
@@ -101,4 +101,4 @@ def main(job_file: Path) -> int:
 
 
 if __name__ == "__main__":
-    exit_rank(main(Path(sys.argv[1])))
+    exit_rank_after(lambda: main(Path(sys.argv[1])))

@@ -102,7 +102,7 @@ RANK_ENDING = textwrap.dedent(
     """
     import atexit, sys, threading, time
     from pathlib import Path
-    from harness.distributed import exit_rank
+    from harness.distributed import exit_rank_after
 
     out = Path(sys.argv[1])
     atexit.register(lambda: (out / "exit-handler").write_text("ran"))
@@ -112,24 +112,35 @@ RANK_ENDING = textwrap.dedent(
         def __init__(self, path): self.path = path
         def __del__(self, open=open): open(self.path, "w").write("yes")
     keep = TornDown(str(out / "torn-down"))
-    exit_rank(3)
+
+    def entry():
+        if sys.argv[2] == "raises":
+            raise ValueError("escaped")
+        return 3
+
+    exit_rank_after(entry)
     """
 )
 
 
+@pytest.mark.parametrize("ending", ["returns", "raises"])
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_a_rank_ends_with_its_status_after_exit_handlers_threads_and_buffered_output(tmp_path, world_size):
+def test_a_rank_ends_with_its_status_after_exit_handlers_threads_and_buffered_output(tmp_path, world_size, ending):
     """A rank of a multi-rank job runs its exit handlers, waits for its threads and flushes its streams, then
     ends without the interpreter's teardown (a module global is never deleted); a world of one exits the
-    ordinary way."""
+    ordinary way. An exception that escapes the entry point ends the same way, reported as the interpreter
+    would: its traceback and status 1."""
     torchrun = {"RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "1"}
     ended = subprocess.run(
-        [sys.executable, "-c", RANK_ENDING, str(tmp_path)],
+        [sys.executable, "-c", RANK_ENDING, str(tmp_path), ending],
         env={**os.environ, **torchrun},
         capture_output=True,
         text=True,
     )
-    assert ended.returncode == 3, ended.stderr
+    if ending == "raises":
+        assert ended.returncode == 1 and ended.stderr.strip().splitlines()[-1] == "ValueError: escaped", ended.stderr
+    else:
+        assert ended.returncode == 3 and ended.stderr == "", ended.stderr
     assert ended.stdout == "buffered"
     assert (tmp_path / "exit-handler").read_text() == "ran" and (tmp_path / "thread").read_text() == "done"
     assert (tmp_path / "torn-down").exists() == (world_size == 1)
