@@ -69,9 +69,10 @@ def paired(auto: StudyRecord, fp32: StudyRecord) -> list[tuple]:
 
 
 def geometric_mean_ratio(ratios: list[float]) -> Estimate:
-    """exp of the mean log ratio, with the interval mapped back."""
+    """exp of the mean log ratio, with the interval mapped back and the se by the delta method (ratio x log se)."""
     logs = mean_estimate(np.log(ratios))
-    return Estimate(math.exp(logs.value), logs.se, math.exp(logs.low), math.exp(logs.high), logs.n)
+    value = math.exp(logs.value)
+    return Estimate(value, value * logs.se, math.exp(logs.low), math.exp(logs.high), logs.n)
 
 
 def effects(record: StudyRecord) -> dict[str, str]:

@@ -44,6 +44,7 @@ def test_the_speed_up_is_a_geometric_mean_with_its_interval_mapped_back():
     half = 12.706 * (math.log(8) - math.log(2)) / 2  # t(1) * se of the mean of two logs
     assert estimate.low == pytest.approx(4.0 * math.exp(-half), rel=1e-3)
     assert estimate.high == pytest.approx(4.0 * math.exp(half), rel=1e-3)
+    assert estimate.se == pytest.approx(4.0 * (math.log(8) - math.log(2)) / 2)  # delta method: ratio x se of mean log
 
 
 def test_the_fp32_arm_is_the_study_renamed_at_fp32_and_an_fp32_study_is_refused(tmp_path):
