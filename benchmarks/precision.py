@@ -28,7 +28,7 @@ import yaml
 
 from algorithms.metrics import ACCEPTED_LENGTHS
 from benchmarks.time_to_verdict import launch
-from harness.devices import cpu_has_native_bf16, uses_bf16
+from harness.devices import computes_in, cpu_has_native_bf16
 from harness.tracking import RunStatus
 from harness.uncertainty import Estimate, mean_estimate
 from reports.collect import StudyRecord, collect
@@ -101,7 +101,7 @@ def measure(args: argparse.Namespace) -> dict:
         differences[metric] = {"estimate": estimate.text(signed=True), "label": verdict, "bound": bound}
     return {
         "precision": precision,
-        "computes_in": "bf16" if uses_bf16("cpu", precision) else "fp32",
+        "computes_in": computes_in("cpu", precision),
         "native_bf16": cpu_has_native_bf16(),
         "cpus": os.cpu_count(),
         "n_jobs": args.n_jobs,

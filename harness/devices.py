@@ -98,6 +98,11 @@ def uses_bf16(device: str | torch.device, precision: str) -> bool:
     return is_accelerator(device) or cpu_has_native_bf16()
 
 
+def computes_in(device: str | torch.device, precision: str) -> str:
+    """`bf16` or `fp32`: the dtype `precision` computes in on `device`, as runs record and reports count it."""
+    return "bf16" if uses_bf16(device, precision) else "fp32"
+
+
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 matmuls
 
 

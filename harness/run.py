@@ -307,9 +307,10 @@ class Run:
         plt.close(figure)
 
     @deferring_preemption
-    def tag_world_size(self, world_size: int) -> None:
-        """The data-parallel ranks of the latest (re)start: a tag, since a resume may change it."""
-        mlflow.set_tag(tracking.TAG_WORLD_SIZE, str(world_size))
+    def tag_start(self, world_size: int, computes_in: str) -> None:
+        """What the latest (re)start ran with: its data-parallel ranks and the dtype train.precision chose there.
+        Tags, since a resume (perhaps on another machine) may change either."""
+        mlflow.set_tags({tracking.TAG_WORLD_SIZE: str(world_size), tracking.TAG_COMPUTES_IN: computes_in})
 
     @deferring_preemption
     def describe(self, text: str) -> None:

@@ -37,6 +37,7 @@ TAG_BASELINE, TAG_BEST_TRIAL, TAG_OBJECTIVES = "dflash_lab.baseline", "dflash_la
 TAG_BEST_RUN_ID, TAG_TRIALS_USED = "dflash_lab.best_run_id", "dflash_lab.trials_used"
 TAG_DESIGN_POINT = "dflash_lab.design_point"  # a designed study's trial: its point as JSON
 TAG_WORLD_SIZE = "dflash_lab.world_size"  # data-parallel ranks of the latest (re)start
+TAG_COMPUTES_IN = "dflash_lab.computes_in"  # bf16 or fp32: what train.precision chose at the latest (re)start
 # MLflow's own tags, behind the UI's Description, Source and Created-by columns and the experiment's page.
 TAG_NOTE, TAG_SOURCE, TAG_USER = "mlflow.note.content", "mlflow.source.name", "mlflow.user"
 TAG_EXPERIMENT_KIND, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"

@@ -32,7 +32,7 @@ from algorithms.metrics import (
 from harness import tracking
 from harness.config import ONLINE_FEATURES, RunConfig
 from harness.data import PreparedData, prepare_documents
-from harness.devices import autocast, generator, synchronize, to_device, uses_bf16
+from harness.devices import autocast, computes_in, generator, synchronize, to_device, uses_bf16
 from harness.distributed import SINGLE, Ranks, full_state, load_full_state, plain_number, shard, unsharded_copy
 from harness.features import FeatureSource, OnlineFeatures, document_rows, fill, load_or_build, packed_rows
 from harness.files import atomic_write, remove_stale_temporaries
@@ -647,7 +647,7 @@ def _train_held(
     }
     with run.active(run_tags, parent_run_id) if ranks.is_main else nullcontext():
         if ranks.is_main:
-            run.tag_world_size(ranks.world_size)
+            run.tag_start(ranks.world_size, computes_in(device, config.train.precision))
         if recipe.start_step == 0:
             recipe.log_start()
         elif ranks.is_main:

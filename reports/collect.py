@@ -86,6 +86,7 @@ def collect(study: str, workdir: Path) -> StudyRecord:
             "dataset": params.get("dataset", ""),
             "dataset_hash": params.get("dataset_hash", ""),
             "design_point": tags.get(tracking.TAG_DESIGN_POINT, ""),
+            "computes_in": tags.get(tracking.TAG_COMPUTES_IN, ""),
             "max_steps": int(params.get("train.max_steps") or 0),
             "wall_s": (run.info.end_time - run.info.start_time) / 1000 if run.info.end_time else float("nan"),
         }

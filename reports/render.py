@@ -89,6 +89,21 @@ def study_configurations(record: StudyRecord) -> list[Configuration]:
     return sorted(found, key=lambda c: (-estimate(c, REALIZED_ACCEPTED_LENGTH).value, c.key))
 
 
+def computed_in(runs: pd.DataFrame) -> str:
+    """The dtypes the finished runs computed in, counted: `train.precision: auto` chooses per machine."""
+    runs = runs[runs["status"] == RunStatus.FINISHED] if not runs.empty else runs
+    if runs.empty:
+        return "no finished run"
+    recorded = runs["computes_in"] if "computes_in" in runs else pd.Series("", index=runs.index)
+    dtypes = recorded.replace("", "not recorded")  # runs from before the tag existed
+    counts = ", ".join(f"{dtype} ({n} run{'s' * (n != 1)})" for dtype, n in sorted(dtypes.value_counts().items()))
+    mixed = "; MIXED: these comparisons include runs that computed in different dtypes" if dtypes.nunique() > 1 else ""
+    return (
+        f"{counts}{mixed}. `auto` computes in bf16 on an accelerator or a CPU with native bf16 and in fp32 elsewhere, "
+        "so a seeded run repeats its numbers only where it computes alike"
+    )
+
+
 def header(record: StudyRecord, configs: list[Configuration]) -> str:
     params, runs = record.parent["params"], record.runs
     counts = runs.groupby("status").size().to_dict() if not runs.empty else {}
@@ -118,6 +133,7 @@ def header(record: StudyRecord, configs: list[Configuration]) -> str:
         f"({', '.join(f'{n} {s}' for s, n in sorted(trial_counts.items())) or 'none'}); "
         f"{len(runs) - len(trials)} baseline runs; "
         f"all: {', '.join(f'{n} {s}' for s, n in sorted(counts.items())) or 'none'}",
+        f"- **Computed in:** {computed_in(runs)}",
         f"- **MLflow:** experiment `{record.parent.get('experiment', record.name)}`, "
         f"parent run `{record.parent['run_id']}`",
         f"- {GENERATED_PREFIX}{datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}",

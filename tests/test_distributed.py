@@ -107,6 +107,7 @@ def test_two_ranks_train_like_one_in_one_run(shared, one_rank, tmp_path):
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     assert [r.info.run_name for r in runs] == ["two-ranks"]
     assert runs[0].data.tags[tracking.TAG_WORLD_SIZE] == "2" and runs[0].info.status == "FINISHED"
+    assert runs[0].data.tags[tracking.TAG_COMPUTES_IN] == "fp32"  # train.precision fp32
 
 
 def test_resume_across_world_sizes_continues_the_same_run(shared, one_rank):

@@ -14,6 +14,7 @@ import torch
 
 from harness import tracking
 from harness.data import tokenize_conversation
+from harness.devices import computes_in
 from harness.features import CorruptFeatureCache, load_or_build
 from harness.train import NonFiniteLoss, train
 
@@ -343,6 +344,8 @@ def test_sigterm_records_the_run_interrupted_and_resume_continues_it(e2e_workspa
     assert done.returncode == 0, done.stderr[-2000:]
     client, resumed = _run(e2e_workdir, "preempted")
     assert resumed.info.run_id == run.info.run_id and resumed.data.tags[tracking.TAG_STATUS] == "finished"
+    # train.precision `auto`: what it chose on this CPU is recorded, since seeded runs repeat only where it agrees
+    assert resumed.data.tags[tracking.TAG_COMPUTES_IN] == computes_in("cpu", "auto")
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")]
     assert steps == sorted(set(steps)) and steps[-1] == 8
 

@@ -210,3 +210,18 @@ def test_designed_report_without_a_late_gain_says_so(tmp_path):
     verdicts = markdown.split("## Verdicts")[1]
     assert "still improving" not in verdicts and "at 60 steps." in verdicts
     assert "resolved (8 residual df)" not in verdicts.split("Selector gain")[0]
+
+
+def _computed_in_line(runs, tmp_path) -> str:
+    return next(line for line in render(_record(runs), tmp_path).splitlines() if line.startswith("- **Computed in:**"))
+
+
+def test_the_header_counts_the_dtypes_the_runs_computed_in_and_flags_a_mix(tmp_path):
+    runs = [_run("dflash", s, 1.3, 1.3, 2.0) for s in range(2)] + [_run("dflash", 2, 1.3, 1.3, 2.0, "infeasible")]
+    assert _computed_in_line(runs, tmp_path).startswith("- **Computed in:** not recorded (2 runs). `auto`")
+    for row, _ in runs:
+        row["computes_in"] = "bf16"
+    line = _computed_in_line(runs, tmp_path)
+    assert line.startswith("- **Computed in:** bf16 (2 runs). `auto`") and "MIXED" not in line
+    runs[1][0]["computes_in"] = "fp32"
+    assert "bf16 (1 run), fp32 (1 run); MIXED: " in _computed_in_line(runs, tmp_path)

@@ -18,6 +18,7 @@ import pytest
 from scipy import stats
 
 from harness import tracking
+from harness.devices import computes_in
 from reports.render import GENERATED_PREFIX
 from studies.storage import ATTR_INFEASIBLE, ATTR_RUN_ID, ATTR_WORKER, storage_url
 
@@ -206,6 +207,11 @@ def test_report_numbers_equal_mlflow_and_regenerate_identically(launched, e2e_wo
             _assert_interval(cell["measured T=0"], metrics["eval/measured_accepted_length_greedy"])
     assert evaluated == 1
     assert "95% interval" in markdown and "Validation:** " in markdown
+    finished = sum(
+        r.data.tags.get(tracking.TAG_ROLE) != "study" and r.data.tags[tracking.TAG_STATUS] == "finished" for r in runs
+    )
+    dtype = computes_in("cpu", "auto")  # what the study's train.precision `auto` chooses here
+    assert f"- **Computed in:** {dtype} ({finished} runs). " in markdown
     assert re.search(r"\| trial \d+ \| infeasible \| invalid knob conv_group_size=7", markdown)
 
     # every image link resolves to a real, non-empty PNG
