@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from harness import tracking
-from harness.devices import cpu_has_native_bf16, uses_bf16
+from harness.devices import computes_in, cpu_has_native_bf16
 from reports.collect import collect
 from reports.designed import RecordedDesign, design_units, fit_recorded, recorded_design
 from reports.effects import RESOLVED
@@ -108,7 +108,7 @@ def measure(layout: str, args: argparse.Namespace, out: Path) -> dict:
     launched = tracking.client(args.workdir).get_run(record.parent["run_id"]).info.start_time / 1000
     result = replay(recorded_design(record), record, launched)
     total = float(record.runs["end_s"].max()) - launched
-    return {"layout": layout, "bf16": uses_bf16("cpu", precision), "study_s": total, **result}
+    return {"layout": layout, "computes_in": computes_in("cpu", precision), "study_s": total, **result}
 
 
 def end_times(record, workdir: Path) -> list[float]:
@@ -129,9 +129,8 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
             if final
             else "no finished run"
         )
-        computes = "bf16" if r["bf16"] else "fp32"
         rows.append(
-            f"| {r['layout']} | {computes} | {when(r['verdict'])} | {when(r['first_resolved'])} | "
+            f"| {r['layout']} | {r['computes_in']} | {when(r['verdict'])} | {when(r['first_resolved'])} | "
             f"{r['study_s'] / 60:.1f} min | {effects} |"
         )
     return "\n".join(

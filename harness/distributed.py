@@ -237,9 +237,10 @@ def exit_rank_after(entry: Callable[[], int | None]) -> NoReturn:
     try:
         status = entry()
     except SystemExit as stop:
-        if isinstance(stop.code, str):
-            print(stop.code, file=sys.stderr)
-        status = 1 if isinstance(stop.code, str) else stop.code
+        status = stop.code
+        if isinstance(status, str):  # sys.exit("message"): the message on stderr, status 1
+            print(status, file=sys.stderr)
+            status = 1
     except BaseException:
         sys.excepthook(*sys.exc_info())
         status = 1
