@@ -106,17 +106,37 @@ def target_indices(
     return idx if sample_from_anchor else (idx - 1) % length
 
 
+@dataclass(frozen=True)
+class LabelRule:
+    """Which token each block slot is trained on, and which slots carry loss.
+
+    Slot k of anchor a is trained on token a + k + offset (offset 1: labels shifted, the draft predicts from the
+    anchor slot on), and is gated by that label's own loss mask; a label past the row or outside the anchor's
+    document is dropped. Slots before `first_slot` never carry loss. With `contiguous`, a block keeps only its
+    leading run of supervised slots (DSpark's rule).
+    """
+
+    offset: int
+    first_slot: int
+    contiguous: bool = False
+
+
 def aligned_loss_mask(
-    loss_mask: torch.Tensor, anchors: Anchors, block_size: int, sample_from_anchor: bool
+    loss_mask: torch.Tensor, document_ids: torch.Tensor, anchors: Anchors, block_size: int, rule: LabelRule
 ) -> torch.Tensor:
-    """m[jB+k] = valid_j * loss_mask[a_j+k] * [k >= 1] (False mode), as float [M]."""
-    idx = block_indices(anchors.positions, block_size)
-    mask = loss_mask[idx].float() * anchors.valid.repeat_interleave(block_size).float()
-    if not sample_from_anchor:
-        mask = mask.view(-1, block_size).clone()
-        mask[:, 0] = 0
-        mask = mask.view(-1)
-    return mask
+    """m[jB+k] = valid_j * [k >= first_slot] * loss_mask[l] * [l < T] * [doc(l) = doc(a_j)], l = a_j + k + offset,
+    as float [M]; with `rule.contiguous` each block is cut at its first unsupervised slot."""
+    length = loss_mask.shape[0]
+    labels = block_indices(anchors.positions, block_size) + rule.offset
+    in_row = labels < length
+    safe = labels.clamp(max=length - 1)
+    anchor_doc = document_ids[anchors.positions].repeat_interleave(block_size)
+    supervised = in_row & (document_ids[safe] == anchor_doc) & (loss_mask[safe] > 0)
+    supervised = supervised.view(-1, block_size) & anchors.valid[:, None]
+    supervised[:, : rule.first_slot] = False
+    if rule.contiguous:
+        supervised[:, rule.first_slot :] = supervised[:, rule.first_slot :].long().cumprod(dim=-1).bool()
+    return supervised.view(-1).float()
 
 
 @dataclass

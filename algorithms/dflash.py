@@ -11,6 +11,7 @@ from algorithms import losses
 from algorithms.blocks import (
     Anchors,
     AttentionTile,
+    LabelRule,
     PackedRow,
     aligned_loss_mask,
     attention_tiles,
@@ -122,7 +123,7 @@ class DFlashDraft(DraftBackbone):
             blocks_per_tile=max(1, ATTENTION_TILE_QUERIES // size),
         )
         hidden = self(row.features, row.position_ids, block_ids, block_positions, tiles, size)
-        loss_mask = aligned_loss_mask(row.loss_mask, anchors, size, self.shared.sample_from_anchor)
+        loss_mask = self.supervision(row, anchors)
         target_rows = target_indices(anchors.positions, size, row.length, self.shared.sample_from_anchor)
         head = unary_head(
             hidden if self.trains_unary_head else hidden.detach(),
@@ -140,6 +141,14 @@ class DFlashDraft(DraftBackbone):
     def first_slot(self) -> int:
         return self.shared.first_draft_slot
 
+    @property
+    def label_rule(self) -> LabelRule:
+        return LabelRule(self.shared.label_offset, self.first_slot, self.algorithm.entry.contiguous_supervision)
+
+    def supervision(self, row: PackedRow, anchors: Anchors) -> torch.Tensor:
+        """The aligned loss mask [M]: which block slots carry loss, each gated by its own label's mask."""
+        return aligned_loss_mask(row.loss_mask, row.document_ids, anchors, self.block_size, self.label_rule)
+
     def draft_slots(self, flat: torch.Tensor) -> torch.Tensor:
         """Per-row values [M, ...] as [N, S, ...] over this draft's predicted slots."""
         return draft_slots(flat, self.block_size, self.first_slot)
@@ -150,8 +159,8 @@ class DFlashDraft(DraftBackbone):
     def batch_share(self, row: PackedRow, anchors: Anchors, part: Anchors) -> float:
         """The weight of `part`'s loss in the loss over all `anchors` (host tensors): a data-parallel rank scales
         its loss by it, so that the ranks' gradients add up to the gradient of the whole batch."""
-        mask = lambda a: aligned_loss_mask(row.loss_mask, a, self.block_size, self.shared.sample_from_anchor)  # noqa: E731
-        return float(losses.denominator(mask(part))) / float(losses.denominator(mask(anchors)))
+        whole = losses.denominator(self.supervision(row, anchors))
+        return float(losses.denominator(self.supervision(row, part))) / float(whole)
 
     def full_vocabulary_loss(
         self, logits: torch.Tensor, out: BlockForward

@@ -147,6 +147,12 @@ class SharedKnobs:
         """Slot 0 is the verified anchor unless the draft also predicts from it."""
         return 0 if self.sample_from_anchor else 1
 
+    @property
+    def label_offset(self) -> int:
+        """Slot k of anchor a is trained on token a + k + label_offset: a draft that predicts from the anchor slot
+        shifts its labels by one."""
+        return 1 if self.sample_from_anchor else 0
+
     def validate(self) -> None:
         check_section(self)
         for name in ("num_draft_layers", "max_anchors", "sliding_window", "candidate_top_k"):

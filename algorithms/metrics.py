@@ -26,6 +26,7 @@ DRAFT_STEP_MS = "draft_step_ms"
 NUM_ANCHORS = "num_anchors"  # anchors a validation counted (the total of the accepted-length pairs)
 NUM_DOCUMENTS = "num_documents"  # documents they came from: the units the standard errors cluster on
 FINAL_VALIDATION_S = "final_validation_s"  # wall time of the final, every-anchor validation
+SKIPPED_STEPS = "skipped_steps"  # optimizer steps skipped since the last log: micro-batches with no supervised slot
 SE_SUFFIX = "_se"
 
 

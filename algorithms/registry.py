@@ -85,6 +85,9 @@ class Algorithm:
     # Shared knobs that make this member what it is: a preset that pins shared knobs alike for every member
     # (`small`) keeps these, so a like-for-like comparison still compares the members.
     defining_shared: dict[str, Any] = field(default_factory=dict)
+    # True where the published member trains only each block's leading run of supervised slots (DSpark): the
+    # first unsupervised label ends the block's loss, as the end of a turn ends decoding.
+    contiguous_supervision: bool = False
 
     @property
     def has_conv(self) -> bool:
@@ -155,6 +158,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             "DSpark: DFlash + a low-rank Markov bias from the previous token and a per-slot confidence head",
             None,
             DSPARK_DEFINING,
+            contiguous_supervision=True,
         ),
     )
 }

@@ -102,6 +102,31 @@ def fixed_nemo_anchors(
 NEMO_DSPARK_ANCHORS = "nemo_automodel.components.speculative.dspark.draft_qwen3.sample_anchor_positions"
 
 
+def nemo_dspark_loss(
+    theirs: nn.Module, row: PackedRow, anchors: Anchors, confidence_weight: float, **packing: torch.Tensor
+) -> tuple[torch.Tensor, dict]:
+    """NeMo's DSpark forward on one row with our anchors, then its `compute_dspark_loss` at the published mix
+    (0.1 CE + 0.9 L1, no decay): (loss, its terms). `packing`: NeMo's position_ids, seq_lens, doc_remaining."""
+    from nemo_automodel.components.speculative.dspark.loss import compute_dspark_loss
+
+    with fixed_nemo_anchors(anchors, NEMO_DSPARK_ANCHORS):
+        outputs = theirs(
+            input_ids=row.input_ids[None],
+            target_hidden_states=row.features[None],
+            loss_mask=row.loss_mask[None],
+            target_last_hidden_states=row.target_hidden[None],
+            **packing,
+        )
+    return compute_dspark_loss(
+        outputs=outputs,
+        loss_decay_gamma=None,
+        ce_loss_alpha=0.1,
+        l1_loss_alpha=0.9,
+        confidence_head_alpha=confidence_weight,
+        return_terms=True,
+    )
+
+
 def nemo_row_inputs(row: PackedRow, head: nn.Module | None = None) -> dict:
     """One unpacked row as NeMo's trainers take it: ids, aux features, loss mask (and the target's logits, for
     the distilling members)."""

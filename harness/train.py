@@ -24,6 +24,7 @@ from algorithms.metrics import (
     FINAL_VALIDATION_S,
     ORACLE_ACCEPTED_LENGTH,
     REALIZED_ACCEPTED_LENGTH,
+    SKIPPED_STEPS,
     UNARY_ACCEPTED_LENGTH,
     MetricCounts,
     finalize,
@@ -293,6 +294,8 @@ class TrainingRecipe:
         self.anchor_generator = generator("cpu", train.seed)  # anchors are drawn on the host, like the rows
         self.watch = LossWatch(self.device)
         self.tokens_since_log: tuple[int, int] = (0, 0)
+        self.grad_norm = torch.zeros((), device=self.device)
+        self.skipped_since_log = 0
 
     def resume(self) -> None:
         """Continue from the run's checkpoint, which must come from the same config; any world size may
@@ -369,11 +372,20 @@ class TrainingRecipe:
 
         Every rank draws the same row and anchors and trains on its own every-world_size-th anchors, with its
         loss weighted by its share of the batch's supervised positions: the ranks' gradients (which FSDP
-        averages) add up to the one-process gradient of the whole batch, and so do their metric counts."""
+        averages) add up to the one-process gradient of the whole batch, and so do their metric counts.
+
+        A micro-batch with no supervised slot teaches nothing, and AdamW's momentum and weight decay would still
+        move the weights on it: its optimizer step is skipped (on every rank alike, since they all hold the same
+        batch) and counted in `train/skipped_steps`; the schedule still advances, so the LR follows the step."""
         row = self.training_row(step)
         anchors = sample_anchors(
             row.loss_mask, row.document_ids, self.shared.block_size, self.shared.max_anchors, self.anchor_generator
         )
+        if not bool(self.replica.supervision(row, anchors).any()):
+            log.info("step %d: no supervised slot in the micro-batch; optimizer step skipped", step + 1)
+            self.skipped_since_log += 1
+            self.schedule.step()
+            return StepOutput(torch.zeros((), device=self.device), {})
         draft_tokens, feature_tokens = self.tokens_since_log
         self.tokens_since_log = (
             draft_tokens + int(anchors.valid.sum()) * self.shared.block_size,
@@ -397,9 +409,11 @@ class TrainingRecipe:
         elapsed = time.perf_counter() - self.logged_at
         draft_tokens, feature_tokens = self.tokens_since_log
         self.tokens_since_log, self.logged_at = (0, 0), time.perf_counter()
+        skipped, self.skipped_since_log = self.skipped_since_log, 0
         return {
             "lr": self.schedule.get_last_lr()[0],
             "grad_norm": plain_number(self.grad_norm),
+            SKIPPED_STEPS: skipped,
             "draft_tokens_per_s": draft_tokens / elapsed,
             "target_feature_tokens_per_s": feature_tokens / elapsed,
         }

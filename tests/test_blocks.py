@@ -3,6 +3,8 @@ import torch
 
 from algorithms.blocks import (
     Anchors,
+    LabelRule,
+    aligned_loss_mask,
     attention_tiles,
     block_attention_mask,
     block_indices,
@@ -130,3 +132,41 @@ def test_target_gather_equals_full_head_and_shift():
     assert torch.equal(logits[target_indices(anchors, block, length, False)], shifted)
     # sample_from_anchor: slot k supervised by position a+k.
     assert torch.equal(logits[target_indices(anchors, block, length, True)], logits[flat])
+
+
+def _label_mask(loss_mask, document_ids, anchors, rule):
+    positions = torch.tensor(anchors)
+    valid = torch.tensor([a >= 0 for a in anchors])
+    blocks = Anchors(positions.clamp(min=0), valid)
+    return aligned_loss_mask(torch.tensor(loss_mask).float(), torch.tensor(document_ids), blocks, 4, rule).view(-1, 4)
+
+
+SUPERVISED = [0, 0, 1, 1, 1, 0, 0, 1, 1, 1]  # a turn at 2..4, a gap at 5..6, the next turn at 7..9
+ONE_DOCUMENT = [0] * 10
+
+
+def test_unshifted_slots_are_gated_by_their_own_token():
+    """Slot k of anchor a is trained on token a + k; slot 0 (the anchor) never."""
+    mask = _label_mask(SUPERVISED, ONE_DOCUMENT, [2, 3, 6], LabelRule(offset=0, first_slot=1))
+    assert mask.tolist() == [[0, 1, 1, 0], [0, 1, 0, 0], [0, 1, 1, 1]]
+
+
+def test_shifted_slots_are_gated_by_their_label_and_dropped_past_the_row():
+    """Slot k is trained on token a + k + 1: at a turn's end the slot after its last token carries no loss, and
+    after a gap the slot that predicts the next turn's first token does; a label past the row is dropped."""
+    mask = _label_mask(SUPERVISED, ONE_DOCUMENT, [2, 3, 6], LabelRule(offset=1, first_slot=0))
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 0, 0, 1], [1, 1, 1, 0]]
+
+
+def test_contiguous_supervision_keeps_each_blocks_leading_run():
+    mask = _label_mask(SUPERVISED, ONE_DOCUMENT, [2, 3, 6], LabelRule(offset=1, first_slot=0, contiguous=True))
+    assert mask.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0]]
+
+
+def test_a_shifted_label_in_the_next_document_or_padding_is_dropped_and_a_padding_anchor_has_none():
+    documents = [0, 0, 0, 0, 0, 0, 1, 1, 1, -1]
+    supervised = [0, 1, 1, 1, 1, 1, 1, 1, 1, 0]
+    mask = _label_mask(supervised, documents, [2, 5, -1], LabelRule(offset=1, first_slot=0))
+    assert mask.tolist() == [[1, 1, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    packed = _label_mask(supervised, documents, [6], LabelRule(offset=1, first_slot=0))
+    assert packed.tolist() == [[1, 1, 0, 0]]  # token 9 is padding

@@ -93,3 +93,14 @@ def test_with_sample_from_anchor_the_oracle_path_starts_at_slot_0():
     assert "oracle_position_0_conditional_acc" in values and "unary_position_0_conditional_acc" in values
     without = tiny_draft("dflash", loss="kl_div", position_weighting="fixed-exp-decay")
     assert "oracle_position_0_conditional_acc" not in finalize(without.training_forward(row, anchors_for(row)).counts)
+
+
+def test_an_unsupervised_slot_ends_the_path_as_the_turns_end_ends_decoding():
+    """A block that reaches past an assistant turn: slots 1-2 are the turn's last tokens, slot 3 the token after
+    it, slot 4 the next turn. Decoding stops at the turn's end, so a cycle there accepts at most the turn's two
+    remaining tokens: the path stops at the unsupervised slot (1 + 2), even though every prediction is right.
+    Skipping the slot and going on, as NeMo AutoModel does, would count 1 + 3."""
+    correct = torch.ones(1, 4, dtype=torch.bool)
+    supervised = torch.tensor([[True, True, False, True]])
+    values = finalize(path_counts("realized", correct, supervised, 1))
+    assert values["realized_accepted_length"] == 3.0

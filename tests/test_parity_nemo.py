@@ -135,9 +135,7 @@ def test_dspark_matches_nemo():
     from the anchor on. NeMo's L1 distance is twice our total variation (our weight 1.8). Without decay both
     weight every supervised slot alike; with decay NeMo divides by the weights' sum, we by the slots' count
     (a constant factor, named in the README)."""
-    from nemo_automodel.components.speculative.dspark.loss import compute_dspark_loss
-
-    from benchmarks.nemo_peers import NEMO_DSPARK_ANCHORS, nemo_dspark
+    from benchmarks.nemo_peers import nemo_dspark, nemo_dspark_loss
 
     ours = tiny_draft("dspark", block_size=BLOCK, sample_from_anchor=True, position_weighting="uniform")
     assert ours.shared.loss_weights == {"ce": 0.1, "tv": 1.8}
@@ -149,21 +147,7 @@ def test_dspark_matches_nemo():
     theirs = nemo_dspark(ours, num_anchors=len(anchors.positions))
     output = ours.training_forward(row, anchors)
     output.loss.backward()
-    with fixed_nemo_anchors(anchors, NEMO_DSPARK_ANCHORS):
-        outputs = theirs(
-            input_ids=row.input_ids[None],
-            target_hidden_states=row.features[None],
-            loss_mask=row.loss_mask[None],
-            target_last_hidden_states=row.target_hidden[None],
-        )
-    loss, terms = compute_dspark_loss(
-        outputs=outputs,
-        loss_decay_gamma=None,
-        ce_loss_alpha=0.1,
-        l1_loss_alpha=0.9,
-        confidence_head_alpha=ours.knobs.confidence_loss_weight,
-        return_terms=True,
-    )
+    loss, terms = nemo_dspark_loss(theirs, row, anchors, ours.knobs.confidence_loss_weight)
     loss.backward()
 
     mine = finalize(output.counts)

@@ -78,3 +78,38 @@ def test_a_resume_logs_the_checkpoints_unflushed_metrics_once(tmp_path, monkeypa
     assert sorted(m.step for m in client.get_metric_history(run.run_id, "train/loss")) == [1, 2]
     assert [m.step for m in client.get_metric_history(run.run_id, "curve/realized")] == [1]
     mlflow.set_tracking_uri("")
+
+
+def test_a_micro_batch_without_a_supervised_slot_skips_the_optimizer_step(tmp_path, monkeypatch, caplog):
+    """AdamW's momentum and weight decay would move the weights on a batch that taught nothing: the step is
+    skipped, logged and counted; the next supervised batch steps as usual."""
+    import logging
+    import time
+
+    import torch
+
+    from algorithms.metrics import SKIPPED_STEPS
+    from harness.run import Run
+    from harness.train import TrainingRecipe
+
+    config = RunConfig(AlgorithmConfig.preset("dflash", block_size=4, num_draft_layers=1, candidate_top_k=4))
+    config.algorithm = config.algorithm.replace(mask_token_id=5, target_layer_ids=[2, 4, 5])
+    recipe = TrainingRecipe(config, _workspace(tmp_path, [packed_row()]), Run(tmp_path, "skips"))
+    recipe.logged_at = time.perf_counter()
+    isolated = packed_row()  # eligible anchors, but no anchor's block holds a supervised label
+    isolated.loss_mask.zero_()
+    isolated.loss_mask[[5, 10, 15, 25]] = 1
+    before = {name: p.detach().clone() for name, p in recipe.draft.named_parameters()}
+    monkeypatch.setattr(recipe, "training_row", lambda step: isolated)
+    with caplog.at_level(logging.INFO, logger="harness.train"):
+        recipe.step(0)
+    assert "step 1: no supervised slot in the micro-batch; optimizer step skipped" in caplog.text
+    assert all(torch.equal(p, before[name]) for name, p in recipe.draft.named_parameters())
+    assert not recipe.optimizer.state  # no moments were ever taken
+    assert recipe.step_stats()[SKIPPED_STEPS] == 1
+    assert recipe.schedule.last_epoch == 1  # the LR still follows the step
+
+    monkeypatch.setattr(recipe, "training_row", lambda step: packed_row())
+    recipe.step(1)
+    assert any(not torch.equal(p, before[name]) for name, p in recipe.draft.named_parameters())
+    assert recipe.step_stats()[SKIPPED_STEPS] == 0
