@@ -370,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_system_metrics(train)
     add_distributed_options(train)
-    train.set_defaults(handler=cmd_train)
+    train.set_defaults(handler=cmd_train, writes=True)
 
     prepare = commands.add_parser(
         "prepare",
@@ -383,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run", action="store_true", help="print the feature cache's estimated size against the free disk"
     )
     add_distributed_options(prepare)
-    prepare.set_defaults(handler=cmd_prepare)
+    prepare.set_defaults(handler=cmd_prepare, writes=True)
 
     export = commands.add_parser(
         "export",
@@ -394,7 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run", type=Path, help="run directory or run name")
     export.add_argument("--out", type=Path, help="output directory (default: <run>/export)")
     export.add_argument("--force", action="store_true", help="replace a non-empty --out that is not a previous export")
-    export.set_defaults(handler=cmd_export)
+    export.set_defaults(handler=cmd_export, writes=True)
 
     evaluate = commands.add_parser(
         "evaluate",
@@ -424,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="confidence-scheduled verification for a member with a confidence head (DSpark): verify the draft "
         "prefix whose predicted cumulative acceptance is at least this (default: %(default)s, the whole block)",
     )
-    evaluate.set_defaults(handler=cmd_evaluate)
+    evaluate.set_defaults(handler=cmd_evaluate, writes=True)
 
     from reports.cli import add_report_command
     from studies.cli import add_study_command
@@ -459,6 +459,21 @@ def print_error(message: str) -> None:
     print(message, file=sys.stderr)
 
 
+def check_outputs_writable(args: argparse.Namespace) -> None:
+    """A command that writes checks its work directory and stores (and an --out it was given) before it loads a
+    target, regenerates data or opens a store: a read-only one fails in one line, at once."""
+    if not getattr(args, "writes", False) or getattr(args, "dry_run", False):
+        return
+    from harness.files import check_writable
+    from harness.tracking import LOCAL_STORE
+    from studies.storage import LOCAL_STORAGE
+
+    hint = " (pass another --workdir, or make this one writable)"
+    check_writable(args.workdir, "--workdir", store_files=(LOCAL_STORE, LOCAL_STORAGE), hint=hint)
+    if getattr(args, "out", None) is not None:
+        check_writable(args.out, "--out", what="the output directory", hint=" (pass another --out)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -484,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
             from harness import tracking
             from harness.devices import check_device
 
+            check_outputs_writable(args)
             check_device(getattr(args, "device", "cpu"))
             tracking.check_reachable(args.workdir)
         return args.handler(args)

@@ -122,10 +122,36 @@ class RunConfig:
         return stable_hash(self.to_dict())
 
 
+class DuplicateKey(yaml.MarkedYAMLError):
+    """A mapping names one key twice: YAML would keep the last value without a word."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a duplicate key in any mapping, naming the key and both of its lines."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then an override is the point of merging
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, str | int | float | bool) and key in seen:
+                where = f"twice on line {line}" if seen[key] == line else f"on lines {seen[key]} and {line}"
+                raise DuplicateKey(problem=f"duplicate key {key!r} {where}")
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, UniqueKeyLoader.construct_mapping)
+
+
 def parse_yaml(text: str, path: Path | str) -> Any:
-    """YAML text -> data; a syntax error is one line naming the file, the line and the column."""
+    """YAML text -> data; a syntax error or a duplicate key is one line naming the file and the line(s)."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except DuplicateKey as error:
+        raise ValueError(f"{path}: not valid YAML: {error.problem}") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -82,3 +83,26 @@ def remove_stale_temporaries(directory: Path) -> list[Path]:
         log.info("removing %s, left by a process that no longer runs", path)
         remove(path)
     return stale
+
+
+def check_writable(
+    directory: Path, flag: str, what: str = "the work directory", store_files: tuple[str, ...] = (), hint: str = ""
+) -> None:
+    """Fail before any work when `directory` (or the folder that would hold it) or one of its existing
+    `store_files` cannot be written. A real write is tried: a permission check alone misses read-only mounts."""
+    existing = Path(directory).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(20, "not a directory", str(existing))
+        tempfile.TemporaryFile(dir=existing, prefix=".write-check").close()
+        for name in store_files:
+            if (store := Path(directory) / name).exists():
+                open(store, "r+b").close()  # opened for writing, nothing written
+    except OSError as error:
+        on = f": {error.filename}" if error.filename else ""
+        raise PermissionError(
+            f"invalid {flag}={str(directory)!r}: {what} is not writable ({error.strerror or error}{on}); "
+            f"allowed a directory this user can write{hint}"
+        ) from None

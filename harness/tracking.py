@@ -78,9 +78,29 @@ class RunStatus(StrEnum):
         )
 
 
+def mark_status(client: mlflow.MlflowClient, run_id: str, status: RunStatus, reason: str | None = None) -> None:
+    """A run's status tag and MLflow's own status together: the UI shows a stopped run as stopped, and a
+    reopened one as running again."""
+    client.set_tag(run_id, TAG_STATUS, status.value)
+    if reason is not None:
+        client.set_tag(run_id, TAG_STATUS_REASON, reason)
+    if status is RunStatus.RUNNING:
+        client.update_run(run_id, status=status.mlflow_status)
+    else:
+        client.set_terminated(run_id, status=status.mlflow_status)
+
+
+LOCAL_STORE = "mlflow.db"  # the work directory's own SQLite tracking store
+
+
 def tracking_uri(workdir: Path) -> str:
     """MLFLOW_TRACKING_URI selects a server; otherwise a SQLite file in the work directory."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(workdir / 'mlflow.db').resolve()}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(workdir / LOCAL_STORE).resolve()}"
+
+
+def local_store(workdir: Path) -> Path | None:
+    """The work directory's SQLite store file, where no tracking server is configured."""
+    return None if is_server(tracking_uri(workdir)) else workdir / LOCAL_STORE
 
 
 # How long a call waits for a tracking server that stopped answering (each may be set in the environment):
@@ -175,7 +195,7 @@ def rebase_local_store(workdir: Path) -> None:
     new artifacts would land: point its experiments and runs at this directory's `mlartifacts` instead."""
     import sqlite3
 
-    database, root = workdir / "mlflow.db", (workdir / "mlartifacts").resolve().as_uri()
+    database, root = workdir / LOCAL_STORE, (workdir / "mlartifacts").resolve().as_uri()
     if not database.exists():
         return
     with sqlite3.connect(database, timeout=60) as connection:

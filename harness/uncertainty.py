@@ -33,6 +33,12 @@ class Estimate:
     n: int
 
     @property
+    def identical(self) -> bool:
+        """A paired difference of exactly zero with a zero-width interval: both sides gave the same numbers,
+        which is not noise."""
+        return self.value == 0 and self.low == 0 and self.high == 0
+
+    @property
     def excludes_zero(self) -> bool:
         return not math.isnan(self.low) and (self.low > 0 or self.high < 0)
 

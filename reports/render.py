@@ -44,6 +44,7 @@ from reports.estimates import (
 
 GENERATED_PREFIX = "Generated: "
 NOISE = "not distinguishable from noise at this budget"
+IDENTICAL = "identical runs (a zero-width interval: the same numbers on both sides)"
 PATH_LABELS = {"unary": "unary (Recall@1)", "oracle": "oracle (Recall@K)", "realized": "realized"}
 MIN_TRIALS_PER_LEVEL = 2  # a knob's effect is judged only between levels that pool several trials
 # fANOVA fits a random forest of the objective on the knobs; with fewer than about four completed trials per
@@ -80,6 +81,8 @@ def verdict(effect: Estimate, signed: bool = True) -> str:
     """The effect with its interval, and whether it is distinguishable from noise."""
     if math.isnan(effect.low):
         return f"{effect.text(signed)} (no interval)"
+    if effect.identical:
+        return f"{effect.text(signed)}: {IDENTICAL}"
     return effect.text(signed) + ("" if effect.excludes_zero else f": {NOISE}")
 
 
@@ -305,7 +308,7 @@ def component_ablation(configs: list[Configuration]) -> str | None:
                     metric.split("_")[0],
                     seeds,
                     effect.text(signed=True),
-                    word if effect.excludes_zero else NOISE,
+                    word if effect.excludes_zero else IDENTICAL if effect.identical else NOISE,
                 ]
             )
     parts += [

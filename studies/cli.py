@@ -90,9 +90,12 @@ def cmd_status(args: argparse.Namespace) -> int:
         ATTR_INTERRUPTED,
         ATTR_PRUNED,
         ATTR_RUN_ID,
+        missing_local_storage,
         storage_url,
     )
 
+    if missing_local_storage(args.workdir, args.storage):
+        raise SystemExit(f"error: no study named {args.name!r}: {args.workdir} holds no study storage yet")
     try:
         study = optuna.load_study(study_name=args.name, storage=storage_url(args.workdir, args.storage))
     except KeyError:
@@ -124,10 +127,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     import optuna
 
-    from studies.storage import storage_url
+    from studies.storage import missing_local_storage, storage_url
 
     url = storage_url(args.workdir, args.storage)
-    summaries = optuna.get_all_study_summaries(storage=url)
+    summaries = [] if missing_local_storage(args.workdir, args.storage) else optuna.get_all_study_summaries(url)
     if not summaries:
         print(f"no studies in {url}")
     for summary in summaries:
@@ -173,7 +176,7 @@ def add_study_command(commands, add_common) -> None:
     launch.add_argument(
         "--system-metrics", action="store_true", help="also log CPU/GPU/memory series (system/*) with every run"
     )
-    launch.set_defaults(handler=cmd_launch)
+    launch.set_defaults(handler=cmd_launch, writes=True)
 
     status = sub.add_parser("status", help="trials of one study with states, values and reasons")
     add_common(status)

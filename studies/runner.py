@@ -603,6 +603,25 @@ def spawn_workers(
     return workers
 
 
+class StackFreeStop(logging.Filter):
+    """Optuna logs a trial stopped by SIGTERM or Ctrl-C as failed, with the whole stack: keep its one line (the
+    trial and the stop), drop the stack. The command's own one-line message comes last."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], KeyboardInterrupt):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+OPTUNA_TRIAL_LOGGER = "optuna.study._optimize"  # the logger of Optuna's 'Trial N failed ...' lines
+
+
+def quiet_stops_in_optuna_log() -> None:
+    logger = logging.getLogger(OPTUNA_TRIAL_LOGGER)
+    if not any(isinstance(f, StackFreeStop) for f in logger.filters):
+        logger.addFilter(StackFreeStop())
+
+
 def launch(
     definition: StudyDefinition,
     study_file: Path,
@@ -618,6 +637,7 @@ def launch(
 
     With `devices`, one worker per listed device: this process on the first, a pinned subprocess on each other.
     """
+    quiet_stops_in_optuna_log()
     device, others = worker_devices(device, n_jobs, devices)
     url = storage_url(workdir, storage)
     workdir.mkdir(parents=True, exist_ok=True)  # the default SQLite storage lives there
@@ -625,6 +645,8 @@ def launch(
     study = open_study(definition, url)
     claims = Claims(study._storage, definition.name, heartbeat_grace_s())
     parent = ensure_parent_run(definition, study, workdir, claims)
+    if not worker:  # a relaunch reopens a study that a SIGTERM or Ctrl-C stopped
+        tracking.mark_status(tracking.client(workdir), parent, RunStatus.RUNNING)
     enqueue_design(definition, study, claims)
     if others and device == "cpu":
         torch.set_num_threads(cpu_threads(len(others) + 1))
@@ -643,17 +665,14 @@ def launch(
             process.terminate()
         for process in workers:
             process.wait()
-        if not worker:
-            client = tracking.client(workdir)
-            client.set_tag(parent, tracking.TAG_STATUS, RunStatus.INTERRUPTED.value)
-            client.set_tag(parent, tracking.TAG_STATUS_REASON, str(stop) or type(stop).__name__)
+        if not worker:  # KILLED in MLflow until a relaunch reopens it
+            reason = str(stop) or type(stop).__name__
+            tracking.mark_status(tracking.client(workdir), parent, RunStatus.INTERRUPTED, reason)
         raise
     if worker:
         return {"study": definition.name, "worker": True}
     runner.run_baselines(wait=True)  # those another launcher held, or a dead launcher left
     runner.evaluate_best()
     summary = runner.finalize()
-    client = tracking.client(workdir)
-    client.set_tag(parent, tracking.TAG_STATUS, RunStatus.FINISHED.value)
-    client.set_terminated(parent, status=RunStatus.FINISHED.mlflow_status)
+    tracking.mark_status(tracking.client(workdir), parent, RunStatus.FINISHED)
     return summary

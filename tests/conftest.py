@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,6 +157,34 @@ def tracking_uri_left_as_found():
 # first, by their measured times, so that no long file starts last and runs alone while the other worker
 # idles; except that the two files needing no end-to-end caches come second, to keep the other worker busy
 # while the first one builds them (the rest, short unit files, fill the end).
+@pytest.fixture
+def cli(capsys, monkeypatch):
+    """`dflash-lab ARGS` run in this process, by the same `main` the console script calls: it returns what
+    `_run` does (returncode, stdout, stderr) without a new interpreter's imports, which are most of a
+    refusal's cost. An exception that escapes `main` fails the test with its traceback. Tests of what only a
+    real process shows (signals, the console script itself) keep `_run`."""
+    import signal
+
+    from harness.cli import main
+
+    monkeypatch.chdir(Path(__file__).parent.parent)
+
+    def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        sigterm = signal.getsignal(signal.SIGTERM)  # main installs its preemption handler
+        try:
+            code = main(list(args))
+        except SystemExit as stop:  # argparse: --help, usage errors
+            code = stop.code
+        finally:
+            signal.signal(signal.SIGTERM, sigterm)
+        captured = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+    return run
+
+
 FILE_ORDER = (
     "test_studies_e2e.py",
     "test_cli.py",

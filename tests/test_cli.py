@@ -17,34 +17,6 @@ def _run(args, **kwargs):
     return subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env, **kwargs)
 
 
-@pytest.fixture
-def cli(capsys, monkeypatch):
-    """`dflash-lab ARGS` run in this process, by the same `main` the console script calls: it returns what
-    `_run` does (returncode, stdout, stderr) without a new interpreter's imports, which are most of a
-    refusal's cost. An exception that escapes `main` fails the test with its traceback. Tests of what only a
-    real process shows (signals, the console script itself) keep `_run`."""
-    import signal
-
-    from harness.cli import main
-
-    monkeypatch.chdir(ROOT)
-
-    def run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        for name, value in (env or {}).items():
-            monkeypatch.setenv(name, value)
-        sigterm = signal.getsignal(signal.SIGTERM)  # main installs its preemption handler
-        try:
-            code = main(list(args))
-        except SystemExit as stop:  # argparse: --help, usage errors
-            code = stop.code
-        finally:
-            signal.signal(signal.SIGTERM, sigterm)
-        captured = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, captured.out, captured.err)
-
-    return run
-
-
 @pytest.mark.parametrize(
     "command",
     [

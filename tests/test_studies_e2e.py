@@ -657,6 +657,9 @@ def test_sigterm_to_a_study_records_the_trial_interrupted_and_a_relaunch_resumes
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 143, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("error: terminated (SIGTERM)")
+    # Optuna's line for the stopped trial stays, without its stack: a cluster's job log reads in lines.
+    assert "Trial 0 failed" in stderr and "Preempted" in stderr
+    assert "Traceback" not in stderr, stderr[-3000:]
     url = storage_url(e2e_workdir, None)
     study = optuna.load_study(study_name="preempted", storage=url)
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.FAIL, optuna.trial.TrialState.WAITING]
@@ -667,6 +670,8 @@ def test_sigterm_to_a_study_records_the_trial_interrupted_and_a_relaunch_resumes
     assert (
         run.data.tags[tracking.TAG_STATUS] == "interrupted" and "SIGTERM" in run.data.tags[tracking.TAG_STATUS_REASON]
     )
+    (parent,) = client.search_runs([experiment], "tags.`dflash_lab.role` = 'study'")
+    assert parent.info.status == "KILLED" and parent.data.tags[tracking.TAG_STATUS] == "interrupted"
     relaunched = _launch(study_file, e2e_workdir, "--no-report", cwd=tmp_path)
     assert relaunched.returncode == 0, relaunched.stderr[-3000:]
     assert "resuming preempted-trial-0" in relaunched.stderr, "the interrupted trial resumes its checkpoint"
@@ -678,8 +683,9 @@ def test_sigterm_to_a_study_records_the_trial_interrupted_and_a_relaunch_resumes
     runs = client.search_runs([experiment], "tags.`dflash_lab.role` = 'trial'")
     assert sorted(r.info.run_name for r in runs) == ["preempted-trial-0", "preempted-trial-2"]
     assert next(r for r in runs if r.info.run_name == "preempted-trial-0").info.run_id == run.info.run_id
-    parent = client.search_runs([experiment], "tags.`dflash_lab.role` = 'study'")[0].info.run_id
-    assert len(client.get_metric_history(parent, "best/realized_accepted_length")) == 1
+    reopened = client.get_run(parent.info.run_id)  # reopened by the relaunch, then finished by it
+    assert reopened.info.status == "FINISHED" and reopened.data.tags[tracking.TAG_STATUS] == "finished"
+    assert len(client.get_metric_history(parent.info.run_id, "best/realized_accepted_length")) == 1
 
 
 def test_deleted_runs_are_named_in_the_report_and_a_deleted_parent_refuses_a_relaunch(launched, e2e_workdir, tmp_path):

@@ -1,0 +1,169 @@
+"""Refuse before working: a read-only work directory or store, duplicate YAML keys, unknown names that must
+create nothing, Optuna's stack on a stopped trial, and a zero-width difference that is not noise."""
+
+import io
+import logging
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.uncertainty import Estimate
+
+
+def writable(path: Path) -> bool:
+    try:
+        if path.is_dir():
+            tempfile.TemporaryFile(dir=path).close()
+        else:
+            open(path, "r+b").close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.fixture
+def read_only():
+    """Make a folder or file read-only for this test: by its mode, or where the tests run as root (whom modes do
+    not stop) by the immutable attribute; skipped where neither holds."""
+    made: list[Path] = []
+
+    def make(path: Path) -> Path:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+        made.append(path)
+        if writable(path):
+            subprocess.run(["chattr", "+i", str(path)], capture_output=True)
+        if writable(path):
+            pytest.skip("cannot make a path read-only here (root without chattr)")
+        return path
+
+    yield make
+    for path in reversed(made):
+        subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def one_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def made(tmp_path):
+    (tmp_path / "work").mkdir()
+    return tmp_path / "work"
+
+
+def test_train_on_a_read_only_workdir_ends_in_one_line_at_once_with_no_target_loaded(cli, read_only, made, monkeypatch):
+    import harness.train
+
+    def never(*args, **kwargs):
+        raise AssertionError("the target was loaded or the data regenerated before the check")
+
+    monkeypatch.setattr(harness.train, "_target_and_data", never)
+    workdir = read_only(made)
+    started = time.perf_counter()
+    line = one_line(cli(["train", "--workdir", str(workdir)]))
+    assert time.perf_counter() - started < 2
+    assert line.startswith(f"error: invalid --workdir='{workdir}': the work directory is not writable")
+    assert "pass another --workdir" in line
+
+
+def test_study_launch_on_an_empty_read_only_workdir_names_the_workdir_not_the_storage(cli, read_only, made):
+    line = one_line(cli(["study", "launch", "studies/default.yaml", "--workdir", str(read_only(made))]))
+    assert "invalid --workdir=" in line and "not writable" in line and "--storage" not in line
+
+
+def test_reading_commands_on_a_read_only_workdir_answer_without_a_store(cli, read_only, made):
+    workdir = str(read_only(made))
+    listing = cli(["study", "list", "--workdir", workdir])
+    assert listing.returncode == 0 and listing.stdout.startswith("no studies in"), listing.stderr
+    assert one_line(cli(["study", "status", "nope", "--workdir", workdir])).startswith("error: no study named 'nope'")
+    # The report writes its files and logs them to the study's parent run: it says where it needs to write.
+    assert "invalid --workdir=" in one_line(cli(["report", "nope", "--workdir", workdir]))
+
+
+def test_a_read_only_store_in_a_writable_workdir_is_named(cli, read_only, made):
+    store = made / "mlflow.db"
+    store.write_bytes(b"")
+    read_only(store)
+    line = one_line(cli(["train", "--workdir", str(made)]))
+    assert "the work directory is not writable" in line and str(store) in line
+
+
+def test_unknown_names_create_no_stores(cli, made, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert "no study named 'nope'" in one_line(cli(["report", "nope", "--workdir", str(made)]))
+    assert "no study named 'nope'" in one_line(cli(["study", "status", "nope", "--workdir", str(made)]))
+    assert cli(["study", "list", "--workdir", str(made)]).returncode == 0
+    assert list(made.iterdir()) == []
+
+
+def test_a_duplicate_key_in_a_run_config_is_refused_with_both_lines(cli, tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("train:\n  max_steps: 4\n  learning_rate: 0.001\n  max_steps: 8\n")
+    line = one_line(cli(["train", "--config", str(config), "--dry-run"]))
+    assert line == f"error: {config}: not valid YAML: duplicate key 'max_steps' on lines 2 and 4"
+    config.write_text("train: {max_steps: 4, max_steps: 8}\n")
+    assert "duplicate key 'max_steps' twice on line 1" in one_line(cli(["train", "--config", str(config), "--dry-run"]))
+
+
+def test_a_duplicate_key_in_a_study_file_is_refused(cli, made):
+    study = made.parent / "copied.yaml"
+    text = Path("studies/default.yaml").read_text()
+    study.write_text(text + "seeds: [7]\n")
+    first = 1 + text.splitlines().index(next(line for line in text.splitlines() if line.startswith("seeds:")))
+    last = len(text.splitlines()) + 1
+    line = one_line(cli(["study", "launch", str(study), "--workdir", str(made)]))
+    assert line == f"error: {study}: not valid YAML: duplicate key 'seeds' on lines {first} and {last}"
+
+
+def test_yaml_merge_keys_may_still_be_overridden():
+    from harness.config import parse_yaml
+
+    assert parse_yaml("base: &b {x: 1, y: 2}\nother:\n  <<: *b\n  x: 3\n", "f.yaml")["other"] == {"x": 3, "y": 2}
+
+
+def optuna_log_of_a_stopped_trial(quiet: bool) -> str:
+    """Optuna's own log of a trial that a SIGTERM stops (our Preempted), as its handler would print it."""
+    import optuna
+
+    from harness.preemption import Preempted
+    from studies import runner
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    logger = logging.getLogger("optuna")
+    logger.addHandler(handler)
+    trial_logger = logging.getLogger(runner.OPTUNA_TRIAL_LOGGER)
+    filters = list(trial_logger.filters)
+    try:
+        if quiet:
+            runner.quiet_stops_in_optuna_log()
+
+        def objective(trial):
+            raise Preempted("terminated (SIGTERM)")
+
+        with pytest.raises(Preempted):
+            optuna.create_study().optimize(objective, catch=(Exception,))
+    finally:
+        logger.removeHandler(handler)
+        trial_logger.filters[:] = filters
+    return stream.getvalue()
+
+
+def test_optunas_line_for_a_stopped_trial_keeps_no_stack():
+    assert "Traceback" in optuna_log_of_a_stopped_trial(quiet=False)  # what a job log showed: the whole stack
+    quiet = optuna_log_of_a_stopped_trial(quiet=True)
+    assert "Trial 0 failed" in quiet and "Preempted" in quiet and "Traceback" not in quiet
+
+
+def test_a_zero_width_difference_is_identical_runs_not_noise():
+    from reports.render import IDENTICAL, NOISE, verdict
+
+    identical = verdict(Estimate(0.0, 0.0, 0.0, 0.0, 8))
+    assert identical.endswith(IDENTICAL) and NOISE not in identical
+    assert verdict(Estimate(0.0, 0.01, -0.02, 0.02, 8)).endswith(NOISE)
