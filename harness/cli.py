@@ -465,11 +465,10 @@ def check_outputs_writable(args: argparse.Namespace) -> None:
     if not getattr(args, "writes", False) or getattr(args, "dry_run", False):
         return
     from harness.files import check_writable
-    from harness.tracking import LOCAL_STORE
-    from studies.storage import LOCAL_STORAGE
+    from harness.layout import STORES
 
     hint = " (pass another --workdir, or make this one writable)"
-    check_writable(args.workdir, "--workdir", store_files=(LOCAL_STORE, LOCAL_STORAGE), hint=hint)
+    check_writable(args.workdir, "--workdir", store_files=STORES, hint=hint)
     if getattr(args, "out", None) is not None:
         check_writable(args.out, "--out", what="the output directory", hint=" (pass another --out)")
 
@@ -496,10 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         exit_quietly_on_sigterm()
     try:
         if not getattr(args, "dry_run", False):  # a dry run touches no device and no store
+            check_outputs_writable(args)  # first: before MLflow's import, which alone takes seconds
             from harness import tracking
             from harness.devices import check_device
 
-            check_outputs_writable(args)
             check_device(getattr(args, "device", "cpu"))
             tracking.check_reachable(args.workdir)
         return args.handler(args)

@@ -12,6 +12,7 @@ from algorithms import ALGORITHMS
 from algorithms.dflash import DFlashDraft
 from algorithms.registry import Algorithm, PeerFormat
 from harness.files import atomic_write
+from harness.layout import ARTIFACTS, STORES
 from harness.run import EXPORT_DIR
 
 SPECULATORS_VERSION = "0.9.0"
@@ -123,7 +124,7 @@ class ExportDestinationError(ValueError):
 
 
 # What an export may never replace, relative to the work directory: stores, caches and run directories.
-PROTECTED = ("runs", "features", "targets", "studies", "mlartifacts", "mlflow.db", "optuna.db")
+PROTECTED = ("runs", "features", "targets", "studies", ARTIFACTS, *STORES)
 
 
 def replaces_protected(out: Path, workdir: Path) -> bool:

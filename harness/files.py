@@ -93,16 +93,22 @@ def check_writable(
     existing = Path(directory).absolute()
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
-    try:
-        if not existing.is_dir():
-            raise NotADirectoryError(20, "not a directory", str(existing))
-        tempfile.TemporaryFile(dir=existing, prefix=".write-check").close()
-        for name in store_files:
-            if (store := Path(directory) / name).exists():
-                open(store, "r+b").close()  # opened for writing, nothing written
-    except OSError as error:
-        on = f": {error.filename}" if error.filename else ""
-        raise PermissionError(
-            f"invalid {flag}={str(directory)!r}: {what} is not writable ({error.strerror or error}{on}); "
-            f"allowed a directory this user can write{hint}"
-        ) from None
+    stores = [store for name in store_files if (store := Path(directory) / name).exists()]
+    for path, probe in [(existing, _probe_directory), *((store, _probe_file) for store in stores)]:
+        try:
+            probe(path)
+        except OSError as error:
+            raise PermissionError(
+                f"invalid {flag}={str(directory)!r}: {what} is not writable ({error.strerror or error}: {path}); "
+                f"allowed a directory this user can write{hint}"
+            ) from None
+
+
+def _probe_directory(path: Path) -> None:
+    if not path.is_dir():
+        raise NotADirectoryError(20, "not a directory")
+    tempfile.TemporaryFile(dir=path, prefix=".write-check").close()
+
+
+def _probe_file(path: Path) -> None:
+    open(path, "r+b").close()  # opened for writing, nothing written

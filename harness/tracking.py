@@ -16,6 +16,7 @@ from pathlib import Path
 import mlflow
 
 from algorithms.metrics import ACCEPTED_LENGTHS, SE_SUFFIX
+from harness.layout import ARTIFACTS, MLFLOW_STORE
 
 log = logging.getLogger(__name__)
 
@@ -90,17 +91,14 @@ def mark_status(client: mlflow.MlflowClient, run_id: str, status: RunStatus, rea
         client.set_terminated(run_id, status=status.mlflow_status)
 
 
-LOCAL_STORE = "mlflow.db"  # the work directory's own SQLite tracking store
-
-
 def tracking_uri(workdir: Path) -> str:
     """MLFLOW_TRACKING_URI selects a server; otherwise a SQLite file in the work directory."""
-    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(workdir / LOCAL_STORE).resolve()}"
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(workdir / MLFLOW_STORE).resolve()}"
 
 
 def local_store(workdir: Path) -> Path | None:
     """The work directory's SQLite store file, where no tracking server is configured."""
-    return None if is_server(tracking_uri(workdir)) else workdir / LOCAL_STORE
+    return None if is_server(tracking_uri(workdir)) else workdir / MLFLOW_STORE
 
 
 # How long a call waits for a tracking server that stopped answering (each may be set in the environment):
@@ -135,7 +133,7 @@ def bound_server_waits(uri: str) -> None:
             os.environ.setdefault(name, value)
 
 
-STORE_LOCK = ".mlflow.db.lock"  # serialises the creation (and migration) of the work directory's SQLite store
+STORE_LOCK = f".{MLFLOW_STORE}.lock"  # serialises the creation (and migration) of the work directory's SQLite store
 _ready_stores: set[str] = set()
 
 
@@ -178,7 +176,7 @@ def configure(workdir: Path, experiment: str = DEFAULT_EXPERIMENT) -> str:
         return existing.experiment_id
     # A server stores (or proxies) artifacts itself; every local store keeps them under the work directory.
     local = not is_server(tracking_uri(workdir))
-    location = (workdir / "mlartifacts").resolve().as_uri() if local else None
+    location = (workdir / ARTIFACTS).resolve().as_uri() if local else None
     try:
         return mlflow.create_experiment(
             experiment, artifact_location=location, tags={TAG_EXPERIMENT_KIND: EXPERIMENT_KIND}
@@ -195,7 +193,7 @@ def rebase_local_store(workdir: Path) -> None:
     new artifacts would land: point its experiments and runs at this directory's `mlartifacts` instead."""
     import sqlite3
 
-    database, root = workdir / LOCAL_STORE, (workdir / "mlartifacts").resolve().as_uri()
+    database, root = workdir / MLFLOW_STORE, (workdir / ARTIFACTS).resolve().as_uri()
     if not database.exists():
         return
     with sqlite3.connect(database, timeout=60) as connection:

@@ -14,6 +14,7 @@ import optuna
 import sqlalchemy
 
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
+from harness.layout import OPTUNA_STORE
 from harness.train import ValidationHook
 
 ATTR_PARENT_RUN = "mlflow_parent_run_id"
@@ -30,17 +31,14 @@ ATTR_ORIGIN = "origin_trial"  # the first trial number of a retried config: its 
 ATTR_DESIGN_POINT = "design_point"  # an enqueued design point's index in the design's order
 
 
-LOCAL_STORAGE = "optuna.db"  # the work directory's own SQLite study storage
-
-
 def storage_url(workdir: Path, storage: str | None) -> str:
-    return storage or f"sqlite:///{(workdir / LOCAL_STORAGE).resolve()}"
+    return storage or f"sqlite:///{(workdir / OPTUNA_STORE).resolve()}"
 
 
 def missing_local_storage(workdir: Path, storage: str | None) -> bool:
     """True where the default SQLite storage has not been created yet: a command that only reads answers from
     that, instead of creating an empty store."""
-    return storage is None and not (workdir / LOCAL_STORAGE).exists()
+    return storage is None and not (workdir / OPTUNA_STORE).exists()
 
 
 def heartbeat_grace_s() -> int:
