@@ -26,6 +26,9 @@ TRAIN_PREFIX, VAL_PREFIX, EVAL_PREFIX, ACCEPT_PREFIX = "train/", "val/", "eval/"
 # The learning curve: accepted lengths on the fixed subset of anchors at every validation, the last included
 # (accept/* at the last step is every anchor instead): curve/unary, curve/realized, curve/oracle (+ _se).
 CURVE_PREFIX = "curve/"
+# Standard errors get a chart section of their own, se/<name as logged>: logged once at the last step, they would
+# otherwise sit as single points between the curves of the accept/, curve/ and val/ sections.
+SE_PREFIX = "se/"
 BEST_PREFIX, IMPORTANCE_PREFIX = "best/", "importance/"
 # Param prefixes of a study's parent run.
 PINNED_PREFIX, STUDY_PREFIX = "pinned.", "study."
@@ -256,11 +259,13 @@ def ui_hint(workdir: Path, experiment: str) -> str:
 
 
 def metric_key(name: str, prefix: str) -> str:
-    """The logged name: `accept/<path>` (and `accept/<path>_se`) for validation accepted lengths, else prefix+name."""
-    base = name.removesuffix(SE_SUFFIX)
-    if prefix in (VAL_PREFIX, CURVE_PREFIX) and base in ACCEPTED_LENGTHS:
+    """The logged name: `accept/<path>` for validation accepted lengths, else prefix+name; a standard error is
+    `se/` + its metric's logged name (`se/accept/realized`, `se/val/unary_candidate_recall`)."""
+    if name.endswith(SE_SUFFIX):
+        return SE_PREFIX + metric_key(name.removesuffix(SE_SUFFIX), prefix)
+    if prefix in (VAL_PREFIX, CURVE_PREFIX) and name in ACCEPTED_LENGTHS:
         short = ACCEPT_PREFIX if prefix == VAL_PREFIX else CURVE_PREFIX
-        return f"{short}{base.removesuffix('_accepted_length')}{name[len(base) :]}"
+        return f"{short}{name.removesuffix('_accepted_length')}"
     return f"{prefix}{name}"
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from harness import tracking
 from reports.collect import collect
 from reports.designed import design_metrics
-from reports.render import headline, leaderboard_frame, render, render_comparison, study_configurations
+from reports.render import headline, leaderboard_frame, render_comparison, render_with_summary, study_configurations
 
 LEADERBOARD_TABLE = "report/leaderboard.json"
 
@@ -19,11 +19,18 @@ def report_root(workdir: Path) -> Path:
 
 def build_report(study: str, workdir: Path, out_root: Path | None = None) -> Path:
     """Write <out_root>/<study>/README.md plus its PNGs, and log them as parent-run artifacts."""
+    return build_report_with_summary(study, workdir, out_root)[0]
+
+
+def build_report_with_summary(study: str, workdir: Path, out_root: Path | None = None) -> tuple[Path, list[str]]:
+    """`build_report`, and the report's verdict lines (what a launch ends on)."""
     record = collect(study, workdir)
     out_dir = (out_root or report_root(workdir)) / study
     client = tracking.client(workdir)
     parent = record.parent["run_id"]
-    markdown = render(record, out_dir, lambda name, figure: client.log_figure(parent, figure, f"report/{name}"))
+    markdown, summary = render_with_summary(
+        record, out_dir, lambda name, figure: client.log_figure(parent, figure, f"report/{name}")
+    )
     path = out_dir / "README.md"
     path.write_text(markdown)
     client.log_artifact(parent, str(path), artifact_path="report")
@@ -33,7 +40,7 @@ def build_report(study: str, workdir: Path, out_root: Path | None = None) -> Pat
     logged = tracking.ChangedMetrics(client, parent)
     for key, value in design_metrics(record).items():  # a rebuilt report adds no rows
         logged.log(key, value)
-    return path
+    return path, summary
 
 
 def build_comparison(first: str, second: str, workdir: Path, out_root: Path | None = None) -> Path:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,8 +97,8 @@ def collect(study: str, workdir: Path) -> StudyRecord:
         for name in (*HEADLINE_METRICS, DRAFT_STEP_MS):
             row[name] = metrics.get(tracking.metric_key(name, VAL), float("nan"))
         for column, name in MEASURED.items():
-            row[column] = metrics.get(f"{EVAL}{name}", float("nan"))
-            row[column + "_se"] = metrics.get(f"{EVAL}{name}_se", float("nan"))
+            row[column] = metrics.get(tracking.metric_key(name, EVAL), float("nan"))
+            row[se_name(column)] = metrics.get(tracking.metric_key(se_name(name), EVAL), float("nan"))
         rows.append(row)
     frame = pd.DataFrame(rows)
     if not frame.empty:
@@ -130,11 +132,27 @@ def child_label(tags: dict[str, str]) -> str:
     return f"trial {tags.get(tracking.TAG_TRIAL, '')}"
 
 
+@contextmanager
+def no_download_bars():
+    """MLflow draws a progress bar for every artifact it downloads: a report reads one small file per run, and
+    its bars would bury the command's own output."""
+    name = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    before = os.environ.get(name)
+    os.environ[name] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = before
+
+
 def validation_documents(client, runs: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """Each finished run's per-document validation pairs (its logged artifact); runs without one are left out."""
     found = {}
     finished = runs[runs["status"] == RunStatus.FINISHED] if not runs.empty else runs
-    with tempfile.TemporaryDirectory() as scratch:
+    with tempfile.TemporaryDirectory() as scratch, no_download_bars():
         for run_id in finished.get("run_id", []):
             try:
                 path = client.download_artifacts(run_id, VALIDATION_DOCUMENTS_FILE, f"{scratch}/{run_id}")

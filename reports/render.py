@@ -694,8 +694,19 @@ FIGURES = {
 }
 
 
+MAX_SUMMARY_LINES = 6  # the verdict lines a launch ends on
+
+
 def render(record: StudyRecord, out_dir: Path, on_figure: FigureHook | None = None) -> str:
     """The report's markdown; its figures are written beside it (and handed to `on_figure` before closing)."""
+    return render_with_summary(record, out_dir, on_figure)[0]
+
+
+def render_with_summary(
+    record: StudyRecord, out_dir: Path, on_figure: FigureHook | None = None
+) -> tuple[str, list[str]]:
+    """The report's markdown and the verdict lines a launch ends on: a design's effects, else the first of the
+    report's verdicts (each with its interval and label)."""
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     configs = study_configurations(record)
@@ -731,11 +742,12 @@ def render(record: StudyRecord, out_dir: Path, on_figure: FigureHook | None = No
         *searched,
         curves,
         per_position(configs, "per_position.png" if "per_position.png" in written else None),
-        verdicts(configs, resolved, designed_lines, budget),
+        verdict_section := verdicts(configs, resolved, designed_lines, budget),
         problems(record),
         *filter(None, [deleted_runs(record)]),
     ]
-    return "\n\n".join(sections) + "\n"
+    summary = designed_lines or [line for line in verdict_section.splitlines() if line.startswith("- ")]
+    return "\n\n".join(sections) + "\n", summary[:MAX_SUMMARY_LINES]
 
 
 def render_comparison(first: StudyRecord, second: StudyRecord) -> str:

@@ -32,10 +32,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     if args.worker:
         return 0
     print(json.dumps(summary, indent=2, default=str))
-    if not args.no_report:
-        from reports.build import build_report
+    if not args.no_report:  # the last lines: the answer, where it is written, how to look, how to rebuild
+        from reports.build import build_report_with_summary
 
-        report = build_report(definition.name, args.workdir)
+        report, verdicts = build_report_with_summary(definition.name, args.workdir)
+        print("\n".join(["", f"Verdicts of study {definition.name}:", *verdicts, ""]))
         print(f"Report: {report}")
     print(tracking.ui_hint(args.workdir, tracking.experiment_name(definition.name)))
     print(f"Regenerate the report any time with: dflash-lab report {definition.name} --workdir {args.workdir}")

@@ -118,7 +118,7 @@ def test_evaluate_logs_measured_acceptance_into_the_run(e2e_workspace, e2e_workd
     )
     # requests are the independent units of a measured accepted length: its standard error is theirs
     greedy = [r["mean_acceptance_length"] for r in records if r["temperature"] == 0 and r["cycles"]]
-    assert metrics["eval/measured_accepted_length_greedy_se"] == pytest.approx(
+    assert metrics["se/eval/measured_accepted_length_greedy"] == pytest.approx(
         statistics.stdev(greedy) / len(greedy) ** 0.5, rel=1e-6
     )
 

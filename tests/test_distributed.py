@@ -27,7 +27,11 @@ ROOT = Path(__file__).parent.parent
 HELPER = ROOT / "tests" / "helpers" / "patched_cli.py"
 EQUAL = 1e-5  # relative: float32 sums in another order, over 10 optimizer steps
 STEPS = 10
-FINAL_METRICS = (tracking.VAL_PREFIX, tracking.ACCEPT_PREFIX)  # val/*_s and val/draft_step_ms are timings
+FINAL_METRICS = (
+    tracking.VAL_PREFIX,
+    tracking.ACCEPT_PREFIX,
+    tracking.SE_PREFIX,
+)  # val/*_s and val/draft_step_ms are timings
 TIMINGS = ("val/final_validation_s", "val/draft_step_ms")
 
 
@@ -92,7 +96,7 @@ def test_two_ranks_train_like_one_in_one_run(shared, one_rank, tmp_path):
     assert sorted(two["train/loss"]) == list(range(1, STEPS + 1))
     assert relative_gap(one_rank["train/loss"], two["train/loss"]) < EQUAL
     final = [k for k, series in two.items() if k.startswith(FINAL_METRICS) and STEPS in series and k not in TIMINGS]
-    assert len(final) > 30 and "accept/realized" in final and "accept/realized_se" in final
+    assert len(final) > 30 and "accept/realized" in final and "se/accept/realized" in final
     for key in final:
         assert relative_gap({STEPS: one_rank[key][STEPS]}, {STEPS: two[key][STEPS]}) < EQUAL, key
     assert two["val/num_anchors"][STEPS] == one_rank["val/num_anchors"][STEPS]

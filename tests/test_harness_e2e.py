@@ -149,7 +149,7 @@ def test_mlflow_records_documented_params_and_metrics(e2e_workspace, e2e_workdir
         "accept/unary",
         "accept/realized",
         "accept/oracle",
-        "accept/realized_se",
+        "se/accept/realized",
         "val/num_anchors",
         "val/unary_candidate_recall",
         "val/unary_candidate_target_mass",

@@ -70,6 +70,14 @@ def test_launch_records_trials_baselines_and_infeasible_cells(launched, e2e_work
     )
     assert "[trial 2] {'conv_group_size': 16" in done.stdout
     assert "infeasible {'conv_group_size': 7" in done.stdout
+    # The launch ends on its answer: the verdict lines, the report's path, the MLflow UI line, the regenerate
+    # command; MLflow's per-artifact download bars no longer bury them.
+    assert "Downloading artifacts" not in done.stderr + done.stdout
+    lines = done.stdout.strip().splitlines()
+    after = lines[lines.index("Verdicts of study tiny:") + 1 :]
+    verdicts, rest = after[: after.index("")], after[after.index("") + 1 :]
+    assert 1 <= len(verdicts) <= 6 and all(v.startswith("- ") for v in verdicts) and "[" in verdicts[0]
+    assert [line.split()[0] for line in rest] == ["Report:", "MLflow", "Regenerate"]
     assert re.search(
         r"MLflow UI \(dflash-lab/tiny\): mlflow ui --backend-store-uri sqlite:///\S+, then open "
         r"http://127\.0\.0\.1:5000/#/experiments/\d+/runs\?workflowType=machine_learning",
@@ -104,11 +112,11 @@ def test_launch_records_trials_baselines_and_infeasible_cells(launched, e2e_work
                 "accept/unary",
                 "accept/realized",
                 "accept/oracle",
-                "accept/unary_se",
-                "accept/realized_se",
-                "accept/oracle_se",
+                "se/accept/unary",
+                "se/accept/realized",
+                "se/accept/oracle",
                 "val/unary_candidate_recall",
-                "val/unary_candidate_recall_se",
+                "se/val/unary_candidate_recall",
                 "val/unary_candidate_target_mass",
                 "val/num_anchors",
                 "val/num_documents",
@@ -196,7 +204,7 @@ def test_report_numbers_equal_mlflow_and_regenerate_identically(launched, e2e_wo
         metrics = run.data.metrics
         documents = int(metrics["val/num_documents"])
         for path in ("unary", "realized", "oracle"):  # the value as MLflow holds it, and its t interval
-            value, se = metrics[f"accept/{path}"], metrics[f"accept/{path}_se"]
+            value, se = metrics[f"accept/{path}"], metrics[f"se/accept/{path}"]
             half = stats.t.ppf(0.975, documents - 1) * se
             _assert_interval(cell[path], value, value - half, value + half)
         _assert_interval(cell["recall@K"], metrics["val/unary_candidate_recall"])
@@ -549,7 +557,7 @@ def test_the_runs_table_through_the_mlflow_rest_api(launched, ui_server):
     assert {"tiny-trial-2", "tiny-trial-3", "tiny-baseline-dflash-seed0", "study-tiny"} <= set(seen)
     note, state, metrics = seen["tiny-trial-2"]
     assert state == "finished" and note.startswith("unary ") and " | realized " in note
-    assert {"accept/unary", "accept/realized", "accept/oracle", "accept/realized_se"} <= set(metrics)
+    assert {"accept/unary", "accept/realized", "accept/oracle", "se/accept/realized"} <= set(metrics)
     assert note.split(" | ")[1].split()[1] == f"{metrics['accept/realized']:.{_decimals(note)}f}"
     assert seen["tiny-trial-0"][1] == "infeasible" and seen["tiny-trial-0"][0].startswith("INFEASIBLE: ")
     assert seen["study-tiny"][0].startswith("best: ")

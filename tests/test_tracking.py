@@ -80,7 +80,9 @@ def test_a_pruned_run_reads_as_pruned_in_the_runs_table(tmp_path, monkeypatch):
 
 def test_metric_keys_put_accepted_lengths_first_and_never_embed_k():
     assert tracking.metric_key("realized_accepted_length", tracking.VAL_PREFIX) == "accept/realized"
-    assert tracking.metric_key("oracle_accepted_length_se", tracking.VAL_PREFIX) == "accept/oracle_se"
+    assert tracking.metric_key("oracle_accepted_length_se", tracking.VAL_PREFIX) == "se/accept/oracle"
+    assert tracking.metric_key("realized_accepted_length_se", tracking.CURVE_PREFIX) == "se/curve/realized"
+    assert tracking.metric_key("unary_candidate_recall_se", tracking.VAL_PREFIX) == "se/val/unary_candidate_recall"
     assert tracking.metric_key("unary_candidate_recall", tracking.VAL_PREFIX) == "val/unary_candidate_recall"
     assert tracking.metric_key("realized_accepted_length", tracking.TRAIN_PREFIX) == "train/realized_accepted_length"
     assert sorted(["val/loss", "train/loss", "best/x", "accept/unary", "eval/y", "system/cpu"])[0] == "accept/unary"
