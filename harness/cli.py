@@ -305,9 +305,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from harness.run import EVAL_RECORDS_FILE
     from harness.train import checkpoint_config, prepare_workspace, restore_draft
 
+    engine = served_engine(args)
     run = located_run(args)
     state = run.load_checkpoint()
-    workspace = prepare_workspace(checkpoint_config(state), run.workdir, args.device)
+    config = checkpoint_config(state)
+    if engine is not None:
+        served_format(config)
+    workspace = prepare_workspace(config, run.workdir, args.device)
     draft = restore_draft(state, workspace.target, args.device)
     eval_config = EvalConfig(
         num_prompts=args.num_prompts,
@@ -315,6 +319,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         temperatures=tuple(args.temperatures),
         confidence_threshold=args.confidence_threshold,
     )
+    if engine is not None:
+        return evaluate_served(engine, run, workspace, draft, eval_config)
     metrics, records = evaluate(workspace.target, draft, workspace.data.validation, eval_config)
     log_evaluation(run, metrics, records)
     for name in (
@@ -331,6 +337,81 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
             print(f"{tracking.EVAL_PREFIX}{name}: {metrics[name]:.4f}")
     print(f"logged to MLflow run {run.run_id}; per-request records in {run.path(EVAL_RECORDS_FILE)}")
     print(f"MLflow UI: {tracking.run_link(run.workdir, run.run_id)}")
+    return 0
+
+
+def served_engine(args: argparse.Namespace):
+    """The llama.cpp build that `--engine llama.cpp` asks for (None without the flag); missing: one line."""
+    if getattr(args, "engine", None) is None:
+        return None
+    from harness.serving import find_engine
+
+    return find_engine()
+
+
+def served_format(config) -> None:
+    """A run whose algorithm has no export format cannot be served: refused before the target loads."""
+    from harness.export import NoPeerFormat, peer_format
+    from harness.serving import ENGINE
+
+    try:
+        peer_format(config.algorithm.entry)
+    except NoPeerFormat as error:
+        raise SystemExit(f"error: invalid --engine={ENGINE}: {error}") from None
+
+
+def evaluate_served(engine, run, workspace, draft, eval_config) -> int:
+    from harness import tracking
+    from harness.run import SERVED_RECORDS_FILE
+    from harness.served import log_served, serve_and_compare
+
+    metrics, records = serve_and_compare(engine, run, workspace.target, draft, workspace.data.validation, eval_config)
+    log_served(run, engine, metrics, records)
+    for name in (
+        "accepted_length_greedy",
+        "agreement_cycle_fraction",
+        "agreement_request_fraction",
+        "lossless_flips_vs_engine",
+        "lossless_flips_vs_harness",
+        "tokens_per_s_draft",
+        "tokens_per_s_alone",
+        "speedup",
+    ):
+        print(f"{tracking.SERVED_PREFIX}{name}: {metrics[name]:.4f}")
+    print(f"llama.cpp {engine.commit[:9]}; per-request records in {run.path(SERVED_RECORDS_FILE)}")
+    print(f"MLflow UI: {tracking.run_link(run.workdir, run.run_id)}")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Serve a run's draft with its target in llama.cpp for a person to try, until Ctrl-C."""
+    from harness.run import SERVED_DIR
+    from harness.served import check_servable, gguf_files
+    from harness.serving import LlamaServer
+    from harness.targets import load_target
+    from harness.train import checkpoint_config, restore_draft
+
+    args.engine = "llama.cpp"
+    engine = served_engine(args)
+    run = located_run(args)
+    state = run.load_checkpoint()
+    config = checkpoint_config(state)
+    served_format(config)
+    target = load_target(config.target, run.workdir, config.algorithm.shared.mask_token_id)
+    draft = restore_draft(state, target)
+    check_servable(draft)
+    target_gguf, draft_gguf = gguf_files(engine, run, draft, target)
+    block = draft.block_size - draft.shared.first_draft_slot
+    with LlamaServer(
+        engine, target_gguf, run.path(SERVED_DIR) / "server.log", draft_gguf, block, port=args.port
+    ) as server:
+        print(f"serving {run.name} with llama.cpp {engine.commit[:9]} at {server.url} (Ctrl-C stops it)")
+        print(
+            f"try: curl {server.url}/v1/chat/completions -H 'Content-Type: application/json' "
+            """-d '{"messages": [{"role": "user", "content": "Write a haiku about the sea."}]}'"""
+        )
+        while server.process is not None and server.process.poll() is None:
+            server.process.wait(timeout=None)
     return 0
 
 
@@ -424,7 +505,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="confidence-scheduled verification for a member with a confidence head (DSpark): verify the draft "
         "prefix whose predicted cumulative acceptance is at least this (default: %(default)s, the whole block)",
     )
+    evaluate.add_argument(
+        "--engine",
+        choices=["llama.cpp"],
+        help="serve the draft in this engine instead, on the same prompts, and compare cycle by cycle with the "
+        "harness's own decoder (served/llama_cpp/*; built by scripts/setup.sh)",
+    )
     evaluate.set_defaults(handler=cmd_evaluate, writes=True)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve a run's draft with its target in llama.cpp, for a person to try",
+        description="Start llama.cpp's llama-server on loopback with the run's draft; Ctrl-C stops it.",
+    )
+    add_common(serve)
+    serve.add_argument("run", type=Path, help="run directory or run name")
+    serve.add_argument("--port", type=int, help="port on 127.0.0.1 (default: a free one)")
+    serve.set_defaults(handler=cmd_serve, writes=True)
 
     from reports.cli import add_report_command
     from studies.cli import add_study_command
@@ -439,7 +536,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that bad input or an unreachable service causes: shown as one line, not a traceback."""
     from sqlalchemy.exc import OperationalError
 
-    return (ValueError, LookupError, OSError, OperationalError)
+    from harness.serving import EngineError
+
+    return (ValueError, LookupError, OSError, OperationalError, EngineError)
 
 
 def print_error(message: str) -> None:

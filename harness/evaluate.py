@@ -44,6 +44,11 @@ def mtbench_questions(count: int) -> list[str]:
     return [q["turns"][0] for q in sorted(questions, key=lambda q: q["question_id"])[:count]]
 
 
+def temperature_tag(temperature: float) -> str:
+    """How a metric name spells its temperature: greedy, t1, t0_7."""
+    return "greedy" if temperature == 0 else f"t{temperature:g}".replace(".", "_")
+
+
 def prompt_ids(tokenizer, user_text: str) -> list[int]:
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
@@ -159,7 +164,7 @@ def evaluate(
     for name, prompts in prompt_sets.items():
         references = target_greedy(target.model, target.tokenizer, prompts, config.max_new_tokens, stop)
         for temperature in config.temperatures:
-            tag = "greedy" if temperature == 0 else f"t{temperature:g}".replace(".", "_")
+            tag = temperature_tag(temperature)
             runs = []
             for index, prompt in enumerate(tqdm(prompts, desc=f"decode {name} {tag}", unit="prompt")):
                 stats = speculative_generate(

@@ -37,6 +37,8 @@ PER_POSITION_FILE = "per_position.csv"
 PER_POSITION_FIGURE = "per_position.png"
 VALIDATION_DOCUMENTS_FILE = "validation_documents.csv"  # per-document (sum, total) pairs of the final validation
 EVAL_RECORDS_FILE = "eval_records.json"
+SERVED_DIR = "served"  # GGUF files and server logs of `evaluate --engine` (the target's once per work directory)
+SERVED_RECORDS_FILE = "served_records.json"
 EXPORT_DIR = "export"
 # Checkpoints up to this size are also copied into MLflow's artifact store; larger ones are only tagged.
 ARTIFACT_CHECKPOINT_LIMIT = 64 * 2**20
@@ -339,9 +341,13 @@ class Run:
 
     # ---- a run that is not active in this process -----------------------------------------------
 
-    def log_into_finished(self, metrics: dict[str, float], prefix: str, files: list[Path]) -> None:
-        """Add metrics and files to this run after it ended (e.g. a later evaluation)."""
+    def log_into_finished(
+        self, metrics: dict[str, float], prefix: str, files: list[Path], tags: dict[str, str] | None = None
+    ) -> None:
+        """Add metrics, files and tags to this run after it ended (e.g. a later evaluation)."""
         client = tracking.client(self.workdir)
+        for key, value in (tags or {}).items():
+            client.set_tag(self.run_id, key, value)
         for name, value in tracking.prefixed(metrics, prefix).items():
             client.log_metric(self.run_id, name, value)
         for path in files:

@@ -29,6 +29,7 @@ CURVE_PREFIX = "curve/"
 # Standard errors get a chart section of their own, se/<name as logged>: logged once at the last step, they would
 # otherwise sit as single points between the curves of the accept/, curve/ and val/ sections.
 SE_PREFIX = "se/"
+SERVED_PREFIX = "served/llama_cpp/"  # the run's draft served by llama.cpp, beside the harness's own numbers
 BEST_PREFIX, IMPORTANCE_PREFIX = "best/", "importance/"
 # Param prefixes of a study's parent run.
 PINNED_PREFIX, STUDY_PREFIX = "pinned.", "study."
@@ -42,6 +43,9 @@ TAG_BEST_RUN_ID, TAG_TRIALS_USED = "dflash_lab.best_run_id", "dflash_lab.trials_
 TAG_DESIGN_POINT = "dflash_lab.design_point"  # a designed study's trial: its point as JSON
 TAG_WORLD_SIZE = "dflash_lab.world_size"  # data-parallel ranks of the latest (re)start
 TAG_COMPUTES_IN = "dflash_lab.computes_in"  # bf16 or fp32: what train.precision chose at the latest (re)start
+# The serving engine that checked a run's acceptance (`evaluate --engine llama.cpp`): its commit and the GGUF
+# converter's version.
+TAG_ENGINE_COMMIT, TAG_GGUF_VERSION = "dflash_lab.served.llama_cpp_commit", "dflash_lab.served.gguf_version"
 # MLflow's own tags, behind the UI's Description, Source and Created-by columns and the experiment's page.
 TAG_NOTE, TAG_SOURCE, TAG_USER = "mlflow.note.content", "mlflow.source.name", "mlflow.user"
 TAG_EXPERIMENT_KIND, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"

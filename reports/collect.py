@@ -28,6 +28,11 @@ MEASURED = {
     # committed tokens per token the target verified (a confidence-scheduled member verifies fewer)
     "measured_per_verified": "measured_accepted_length_greedy_accepted_per_verified",
 }
+# The run's draft served by llama.cpp (`evaluate --engine llama.cpp`), where it was.
+SERVED = {
+    "served_greedy": "accepted_length_greedy",
+    "served_agreement": "agreement_cycle_fraction",
+}
 
 
 @dataclass
@@ -96,9 +101,10 @@ def collect(study: str, workdir: Path) -> StudyRecord:
             row[knob] = params.get(f"algo.{knob}", params.get(f"shared.{knob}", ""))
         for name in (*HEADLINE_METRICS, DRAFT_STEP_MS):
             row[name] = metrics.get(tracking.metric_key(name, VAL), float("nan"))
-        for column, name in MEASURED.items():
-            row[column] = metrics.get(tracking.metric_key(name, EVAL), float("nan"))
-            row[se_name(column)] = metrics.get(tracking.metric_key(se_name(name), EVAL), float("nan"))
+        for prefix, columns in ((EVAL, MEASURED), (tracking.SERVED_PREFIX, SERVED)):
+            for column, name in columns.items():
+                row[column] = metrics.get(tracking.metric_key(name, prefix), float("nan"))
+                row[se_name(column)] = metrics.get(tracking.metric_key(se_name(name), prefix), float("nan"))
         rows.append(row)
     frame = pd.DataFrame(rows)
     if not frame.empty:

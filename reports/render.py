@@ -158,6 +158,7 @@ def leaderboard(configs: list[Configuration]) -> str:
         return "## Leaderboard\n\nNo trial or baseline completed, so there is nothing to rank yet."
     best = configs[0]
     measured = any(c.runs[["measured_greedy", "measured_t1"]].notna().any().any() for c in configs)
+    served = any(c.runs["served_greedy"].notna().any() for c in configs if "served_greedy" in c.runs)
     members = len({c.first["algorithm"] for c in configs}) > 1  # a family comparison names each row's member
     headers = [
         "run",
@@ -169,6 +170,7 @@ def leaderboard(configs: list[Configuration]) -> str:
         "oracle",
         "realized − best",
         *(["measured T=0", "measured T=1", "accepted / verified T=0"] if measured else []),
+        *(["served (llama.cpp) T=0", "served = harness cycles"] if served else []),
         "selector gain",
         "oracle headroom",
         "recall@K",
@@ -198,6 +200,11 @@ def leaderboard(configs: list[Configuration]) -> str:
                     if measured
                     else []
                 ),
+                *(
+                    [measured_text(config, "served_greedy"), fmt(float(config.runs["served_agreement"].mean()))]
+                    if served
+                    else []
+                ),
                 difference(config, REALIZED_ACCEPTED_LENGTH, config, UNARY_ACCEPTED_LENGTH).text(signed=True),
                 difference(config, ORACLE_ACCEPTED_LENGTH, config, REALIZED_ACCEPTED_LENGTH).text(signed=True),
                 *[
@@ -216,6 +223,9 @@ def leaderboard(configs: list[Configuration]) -> str:
         "*Measured* columns, where present, are real speculative decoding with the target (per-request mean, "
         "`dflash-lab evaluate`); *accepted / verified* is committed tokens per token the target verified (a "
         "member that verifies whole blocks sets the baseline a confidence-scheduled one is compared with). "
+        "*Served* is the same draft in llama.cpp on the same prompts (`evaluate --engine llama.cpp`), and *served = "
+        "harness cycles* the fraction of verify cycles in which it accepted exactly what the harness's decoder "
+        "accepted. "
         "The best row is selected on this same validation set, so its lead is optimistic."
     )
     return "## Leaderboard\n\n" + note + "\n\n" + table(headers, rows)

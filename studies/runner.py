@@ -45,6 +45,7 @@ from studies.storage import (
     ATTR_PRUNED,
     ATTR_RUN_ID,
     ATTR_SEED_VALUES,
+    ATTR_SERVED,
     ATTR_WORKER,
     heartbeat_grace_s,
     make_storage,
@@ -430,6 +431,35 @@ class StudyRunner:
             log_evaluation(run, metrics, records)
             self.study.set_user_attr(ATTR_EVALUATED, [*self.study.user_attrs.get(ATTR_EVALUATED, []), trial.number])
 
+    def serve_best(self) -> None:
+        """Opt-in (`evaluate.serve`): the best run and the reference arm's first run served by the engine, on the
+        study's prompts, compared with the harness cycle by cycle (once per run)."""
+        if self.definition.serve is None:
+            return
+        from harness.served import log_served, serve_and_compare
+        from harness.serving import find_engine
+
+        engine = find_engine()
+        done = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        names = []
+        if done and len(self.definition.objectives) == 1:
+            best = max(done, key=lambda t: t.value)
+            names.append(self.trial_run(best.user_attrs.get(ATTR_ORIGIN, best.number), self.definition.seeds[0]))
+        reference = self.definition.design.reference if self.definition.design else None
+        if reference:
+            names.append(baseline_run_name(self.definition.name, reference, self.definition.seeds[0]))
+        for name in names:
+            if name in self.study.user_attrs.get(ATTR_SERVED, []):
+                continue
+            run = Run(self.workdir, name, tracking.experiment_name(self.definition.name))
+            draft = restore_draft(run.load_checkpoint(), self.workspace.target, self.device)
+            print(f"[serve] {name}: llama.cpp against the harness on the same prompts", flush=True)
+            served = serve_and_compare(
+                engine, run, self.workspace.target, draft, self.workspace.data.validation, self.definition.evaluation
+            )
+            log_served(run, engine, *served)
+            self.study.set_user_attr(ATTR_SERVED, [*self.study.user_attrs.get(ATTR_SERVED, []), name])
+
     def finalize(self) -> dict:
         """Best values and importances on the parent run; returns the summary printed to the user."""
         summary: dict = {"study": self.definition.name, "trials": {}}
@@ -642,6 +672,10 @@ def launch(
     url = storage_url(workdir, storage)
     workdir.mkdir(parents=True, exist_ok=True)  # the default SQLite storage lives there
     check_against_target(definition, workdir)
+    if definition.serve is not None and not worker:  # refused before any run trains, not after the last
+        from harness.serving import find_engine
+
+        find_engine()
     study = open_study(definition, url)
     claims = Claims(study._storage, definition.name, heartbeat_grace_s())
     parent = ensure_parent_run(definition, study, workdir, claims)
@@ -673,6 +707,7 @@ def launch(
         return {"study": definition.name, "worker": True}
     runner.run_baselines(wait=True)  # those another launcher held, or a dead launcher left
     runner.evaluate_best()
+    runner.serve_best()
     summary = runner.finalize()
     tracking.mark_status(tracking.client(workdir), parent, RunStatus.FINISHED)
     return summary

@@ -77,6 +77,7 @@ class StudyDefinition:
     description: str = ""
     source_text: str = ""
     evaluate_best: int = 0  # opt-in: measured acceptance by real speculative decoding for the N best trials
+    serve: str | None = None  # opt-in: the engine that serves the best run and the reference arm at the end
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     # How each run is launched, not what it trains: >1 makes every trial and baseline a torchrun job.
     nproc_per_node: int = 1
@@ -146,6 +147,11 @@ class EvaluateSection(Section):
         ge=0,
         le=1,
         description="a confidence head's scheduled verification cut (0: verify the whole block)",
+    )
+    serve: Literal["llama.cpp"] | None = Field(
+        None,
+        description="at the end, serve the best run and the reference arm's first run in this engine on the "
+        "same prompts and compare with the harness cycle by cycle (served/llama_cpp/*)",
     )
 
 
@@ -325,6 +331,7 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
         seeds=seeds,
         description=file.description,
         evaluate_best=evaluate.best_trials,
+        serve=evaluate.serve,
         evaluation=EvalConfig(
             num_prompts=evaluate.num_prompts,
             max_new_tokens=evaluate.max_new_tokens,

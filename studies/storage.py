@@ -25,6 +25,7 @@ ATTR_FAIL_REASON = "fail_reason"
 ATTR_INFEASIBLE = "infeasible_reason"
 ATTR_PRUNED = "pruned_reason"
 ATTR_INTERRUPTED = "interrupted_trials"  # study attr: failed trials whose worker died (they use no budget)
+ATTR_SERVED = "served_runs"  # study attr: runs already served by the study's engine
 ATTR_EVALUATED = "evaluated_trials"  # study attr: trials whose draft was already evaluated by speculative decoding
 ATTR_WORKER = "worker"
 ATTR_ORIGIN = "origin_trial"  # the first trial number of a retried config: its run name, so the run resumes

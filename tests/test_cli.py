@@ -25,6 +25,7 @@ def _run(args, **kwargs):
         ["prepare"],
         ["export"],
         ["evaluate"],
+        ["serve"],
         ["study"],
         ["study", "launch"],
         ["study", "status"],

@@ -6,6 +6,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from unittest import mock
 
 import mlflow
@@ -176,3 +177,57 @@ def test_export_loads_in_speculators_from_another_working_directory(e2e_workspac
     refused = subprocess.run([*export, "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "pass --force to replace it" in refused.stderr
     assert (out / "notes.txt").exists()
+
+
+def test_llama_cpp_serves_the_run_and_agrees_with_the_harness_cycle_by_cycle(e2e_workspace, e2e_workdir, trained):
+    """The real engine (built by scripts/setup.sh), the real conversion and server, on the 60-step DFlash2 run:
+    every compared cycle accepts what the harness's decoder accepts, unless a counted near-tie of the target
+    explains it; the lossless counts match the records; the GGUF carries the draft's shape."""
+    from harness.config import EvalConfig
+    from harness.run import SERVED_DIR, Run
+    from harness.served import log_served, serve_and_compare
+    from harness.serving import find_engine
+
+    engine = find_engine()
+    run = Run.locate(Path("learns-dflash2"), e2e_workdir)
+    draft = trained["dflash2"].draft
+    config = EvalConfig(num_prompts=2, max_new_tokens=32, temperatures=(0.0, 1.0))
+    metrics, records = serve_and_compare(
+        engine, run, e2e_workspace.target, draft, e2e_workspace.data.validation, config
+    )
+    assert metrics["cycles_compared"] >= 10 and len(records) == 4
+    for record in records:
+        if record["divergence"] is not None:
+            assert "near-tie" in record["divergence"]["cause"], record  # a token flip at a near-tie
+            assert "not a near-tie" not in record["divergence"]["cause"], record
+    unexplained = [r for r in records if r["divergence"] and "near-tie" not in r["divergence"]["cause"]]
+    assert not unexplained
+    assert metrics["lossless_flips_vs_engine"] == sum(r["served_tokens_differ_from_engine_alone"] for r in records)
+    assert metrics["lossless_flips_vs_harness"] == sum(
+        r["served_tokens_differ_from_harness_reference"] for r in records
+    )
+    assert all("near-tie" in r["flip"] and "not a near-tie" not in r["flip"] for r in records if "flip" in r)
+    assert metrics["tokens_per_s_draft"] > 0 and metrics["tokens_per_s_alone"] > 0
+    assert 1.0 <= metrics["accepted_length_greedy"] <= draft.block_size and "accepted_length_t1" in metrics
+
+    log_served(run, engine, metrics, records)
+    logged = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir)).get_run(run.run_id).data
+    assert logged.metrics["served/llama_cpp/agreement_cycle_fraction"] == metrics["agreement_cycle_fraction"]
+    assert logged.tags[tracking.TAG_ENGINE_COMMIT] == engine.commit
+
+    sys.path.insert(0, str(engine.gguf_py))  # the tree's own reader of what its converter wrote
+    try:
+        from gguf import GGUFReader
+    finally:
+        sys.path.pop(0)
+    fields = GGUFReader(run.path(SERVED_DIR) / "draft-f32.gguf").fields
+    value = lambda key: fields[key].contents()  # noqa: E731
+    assert value("general.architecture") == "dflash"
+    assert value("dflash.block_size") == draft.block_size
+    assert value("dflash.target_layers") == list(draft.config.target_layer_ids)
+    assert value("tokenizer.ggml.mask_token_id") == draft.config.mask_token_id
+    assert value("dflash.conv_kernel_size") == draft.config.conv_kernel_size
+    assert value("dflash.conv_group_size") == draft.config.conv_group_size
+    assert value("dflash.selector_rank") == draft.knobs.selector_rank
+    assert value("dflash.selector_top_k") == draft.shared.candidate_top_k
+    assert value("dflash.attention.causal") is draft.config.causal_blocks

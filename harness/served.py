@@ -1,0 +1,231 @@
+"""Served truth: a run's draft served by llama.cpp against the harness's own decoder, on the same prompts.
+
+Counts, not rounded means: per request, the accepted draft tokens of every verify cycle on both sides. At T = 0
+both decode greedily, so every cycle in which both drafted the whole block must accept the same count; a cycle
+that does not is a divergence, and its cause is named (a near-tie of the target that flipped a token, or the two
+drafts proposing differently). Lossless: the served output with the draft against the same engine without it and
+against the harness's greedy reference. At T > 0 the two differ by design (llama.cpp's DFlash drafts greedily and
+accepts by token match; the harness samples the draft and verifies by rejection sampling): both are reported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from algorithms.dflash import DFlashDraft
+from harness import tracking
+from harness.config import EvalConfig
+from harness.decode import speculative_generate, target_greedy
+from harness.evaluate import chat_prompt_ids, mtbench_questions, prompt_ids, temperature_tag
+from harness.export import NoPeerFormat, export_checkpoint, peer_format
+from harness.files import atomic_write
+from harness.run import SERVED_DIR, SERVED_RECORDS_FILE, Run
+from harness.serving import ENGINE, Completion, Engine, EngineError, LlamaServer, to_gguf
+from harness.targets import Target
+
+NEAR_TIE = 0.05  # a top-2 logit gap below this counts as a near-tie: the verify batch's rounding may flip it
+
+
+def check_servable(draft: DFlashDraft) -> None:
+    """Refuse, in one line and before any work, what llama.cpp cannot serve."""
+    entry = draft.algorithm.entry
+    try:
+        peer_format(entry)
+    except NoPeerFormat as error:
+        raise EngineError(f"invalid --engine={ENGINE} for run of {entry.name}: {error}") from None
+    top_k, hidden = draft.shared.candidate_top_k, draft.config.target.hidden_size
+    if entry.has_selector and hidden < top_k * (top_k + 1):
+        raise EngineError(
+            f"invalid --engine={ENGINE} for this {entry.name} run: its selector lattice needs hidden_size >= "
+            f"top_k * (top_k + 1) = {top_k * (top_k + 1)} in llama.cpp, the target has {hidden}; allowed "
+            f"candidate_top_k <= {int((math.sqrt(4 * hidden + 1) - 1) / 2)}"
+        )
+
+
+def gguf_files(engine: Engine, run: Run, draft: DFlashDraft, target: Target) -> tuple[Path, Path]:
+    """The target once per work directory (keyed by its weights), the draft once per run checkpoint."""
+    served = run.workdir / SERVED_DIR
+    target_gguf = to_gguf(engine, Path(target.source), served / f"target-{target.weights_hash}-f32.gguf", "the target")
+    export = run.path(SERVED_DIR) / "export"
+    if not (export / "config.json").is_file():
+        export_checkpoint(draft, export, target.source)
+    draft_gguf = to_gguf(
+        engine, export, run.path(SERVED_DIR) / "draft-f32.gguf", f"run {run.name}", Path(target.source)
+    )
+    return target_gguf, draft_gguf
+
+
+@dataclass
+class Divergence:
+    cycle: int  # the first compared cycle whose accepted count differs
+    harness_accepted: int
+    served_accepted: int
+    cause: str
+
+
+def compare_cycles(
+    harness_accepted: list[int], harness_drafted: list[int], served: Completion, block: int
+) -> tuple[int, int, Divergence | None]:
+    """(cycles compared, cycles identical, the first divergence). Only cycles in which both sides drafted the
+    whole block are compared: near the token budget each engine shortens its last drafts its own way."""
+    compared = identical = 0
+    divergence = None
+    pairs = zip(harness_accepted, harness_drafted, served.accepted, served.drafted, strict=False)
+    for cycle, (ours, our_drafts, theirs, their_drafts) in enumerate(pairs):
+        if our_drafts != block or their_drafts != block:
+            break
+        compared += 1
+        if ours == theirs:
+            identical += 1
+        elif divergence is None:
+            divergence = Divergence(cycle, ours, theirs, "")
+        if divergence is not None:  # after a divergence the two continue from different states
+            break
+    return compared, identical, divergence
+
+
+@torch.no_grad()
+def top2_gap(target: Target, prefix: list[int]) -> float:
+    """The target's top-2 logit gap for the token after `prefix` (fp32, the harness's own forward)."""
+    logits = target.model(input_ids=torch.tensor([prefix]).to(target.model.device)).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return index
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def cause_of(target: Target, prompt: list[int], ours: list[int], theirs: list[int]) -> str:
+    """Why two greedy decodings parted: a token flip (with the target's gap there), or the drafts alone."""
+    at = first_difference(ours, theirs)
+    if at is None or at >= min(len(ours), len(theirs)):
+        return "same tokens: the two drafts proposed differently"
+    gap = top2_gap(target, prompt + ours[:at])
+    kind = "near-tie" if gap < NEAR_TIE else "not a near-tie"
+    return f"token {at} flipped ({ours[at]} here, {theirs[at]} served): target top-2 gap {gap:.5f}, {kind}"
+
+
+def mean_and_se(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if not math.isnan(v)]
+    if not values:
+        return float("nan"), float("nan")
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
+    return statistics.fmean(values), se
+
+
+def accepted_length(accepted: list[int]) -> float:
+    """Mean tokens per verify cycle, the verified token included: 1 + accepted drafts / cycles."""
+    return 1 + sum(accepted) / len(accepted) if accepted else float("nan")
+
+
+def serve_and_compare(
+    engine: Engine, run: Run, target: Target, draft: DFlashDraft, chat_documents, config: EvalConfig
+) -> tuple[dict[str, float], list[dict]]:
+    """Serve the run's draft and the target alone; decode the same prompts with the harness; compare."""
+    check_servable(draft)
+    target_gguf, draft_gguf = gguf_files(engine, run, draft, target)
+    block = draft.block_size - draft.shared.first_draft_slot
+    stop = {target.tokenizer.eos_token_id}
+    prompt_sets = {
+        "mtbench": [prompt_ids(target.tokenizer, q) for q in mtbench_questions(config.num_prompts)],
+        "chat": chat_prompt_ids(chat_documents, config.num_prompts),
+    }
+    logs = run.path(SERVED_DIR)
+    served: dict[tuple[str, float], list[Completion]] = {}
+    alone: dict[str, list[Completion]] = {}
+    with LlamaServer(engine, target_gguf, logs / "server-draft.log", draft_gguf, block) as server:
+        for name, prompts in prompt_sets.items():
+            for temperature in config.temperatures:
+                bar = tqdm(prompts, desc=f"serve {name} {temperature_tag(temperature)}", unit="request")
+                served[name, temperature] = [
+                    server.complete(p, config.max_new_tokens, temperature, config.seed + i) for i, p in enumerate(bar)
+                ]
+    with LlamaServer(engine, target_gguf, logs / "server-alone.log") as server:
+        for name, prompts in prompt_sets.items():
+            bar = tqdm(prompts, desc=f"serve {name} without the draft", unit="request")
+            alone[name] = [server.complete(p, config.max_new_tokens) for p in bar]
+
+    metrics: dict[str, float] = {}
+    records: list[dict] = []
+    totals = {"compared": 0, "identical": 0, "requests": 0, "identical_requests": 0, "flips_engine": 0}
+    totals["flips_harness"] = 0
+    for name, prompts in prompt_sets.items():
+        references = target_greedy(target.model, target.tokenizer, prompts, config.max_new_tokens, stop)
+        for index, prompt in enumerate(tqdm(prompts, desc=f"decode {name} in the harness", unit="request")):
+            ours = speculative_generate(target.model, draft, prompt, config.max_new_tokens, stop)
+            theirs = served[name, 0.0][index] if (name, 0.0) in served else None
+            if theirs is None:
+                continue
+            our_accepted = [tau - 1 for tau in ours.acceptance_lengths]
+            our_drafted = [verified - 1 for verified in ours.verified_tokens]
+            compared, identical, divergence = compare_cycles(our_accepted, our_drafted, theirs, block)
+            if divergence is not None:
+                divergence.cause = cause_of(target, prompt, ours.tokens, theirs.tokens)
+            totals["compared"] += compared
+            totals["identical"] += identical
+            totals["requests"] += 1
+            totals["identical_requests"] += divergence is None
+            flip_engine = theirs.tokens != alone[name][index].tokens
+            flip_harness = theirs.tokens != references[index]
+            totals["flips_engine"] += flip_engine
+            totals["flips_harness"] += flip_harness
+            records.append(
+                {
+                    "set": name,
+                    "prompt": index,
+                    "harness_accepted": our_accepted,
+                    "served_accepted": theirs.accepted,
+                    "served_drafted": theirs.drafted,
+                    "cycles_compared": compared,
+                    "cycles_identical": identical,
+                    "divergence": asdict(divergence) if divergence else None,
+                    "served_tokens_differ_from_engine_alone": flip_engine,
+                    "served_tokens_differ_from_harness_reference": flip_harness,
+                    **({"flip": cause_of(target, prompt, references[index], theirs.tokens)} if flip_harness else {}),
+                    "served_tokens_per_s": theirs.tokens_per_s,
+                    "alone_tokens_per_s": alone[name][index].tokens_per_s,
+                }
+            )
+        for temperature in config.temperatures:
+            tag = temperature_tag(temperature)
+            lengths = [accepted_length(c.accepted) for c in served[name, temperature]]
+            value, se = mean_and_se(lengths)
+            metrics[f"{name}_accepted_length_{tag}"] = value
+            metrics[f"{name}_accepted_length_{tag}_se"] = se
+            metrics[f"{name}_cycles_{tag}"] = sum(len(c.accepted) for c in served[name, temperature])
+            metrics[f"{name}_accepted_tokens_{tag}"] = sum(sum(c.accepted) for c in served[name, temperature])
+    for tag in {temperature_tag(t) for t in config.temperatures}:
+        lengths = [
+            accepted_length(c.accepted) for key, runs in served.items() for c in runs if temperature_tag(key[1]) == tag
+        ]
+        metrics[f"accepted_length_{tag}"], metrics[f"accepted_length_{tag}_se"] = mean_and_se(lengths)
+    with_draft = [c.tokens_per_s for key, runs in served.items() if key[1] == 0 for c in runs]
+    without = [c.tokens_per_s for runs in alone.values() for c in runs]
+    metrics["tokens_per_s_draft"] = statistics.fmean(with_draft) if with_draft else float("nan")
+    metrics["tokens_per_s_alone"] = statistics.fmean(without) if without else float("nan")
+    metrics["speedup"] = metrics["tokens_per_s_draft"] / metrics["tokens_per_s_alone"]
+    metrics["agreement_cycle_fraction"] = totals["identical"] / totals["compared"] if totals["compared"] else 1.0
+    metrics["agreement_request_fraction"] = totals["identical_requests"] / max(1, totals["requests"])
+    metrics["cycles_compared"] = totals["compared"]
+    metrics["lossless_flips_vs_engine"] = totals["flips_engine"]
+    metrics["lossless_flips_vs_harness"] = totals["flips_harness"]
+    return metrics, records
+
+
+def log_served(run: Run, engine: Engine, metrics: dict[str, float], records: list[dict]) -> None:
+    """served/llama_cpp/* metrics, the per-request records, and the engine's commit and converter as tags."""
+    path = run.path(SERVED_RECORDS_FILE)
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(records, indent=1)))
+    tags = {tracking.TAG_ENGINE_COMMIT: engine.commit, tracking.TAG_GGUF_VERSION: engine.converter_version}
+    run.log_into_finished(metrics, tracking.SERVED_PREFIX, [path], tags=tags)
