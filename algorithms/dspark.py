@@ -76,6 +76,10 @@ class DSparkDraft(DFlashDraft):
         self.confidence_head = ConfidenceHead(config.hidden_size + knobs.markov_rank)
         self.markov_head.reset_parameters()
 
+    def export_fields(self) -> dict[str, int | str | None]:
+        """The Markov head as NeMo AutoModel and llama.cpp's converter name it (the vanilla form)."""
+        return {"markov_head_type": "vanilla", "markov_rank": self.knobs.markov_rank}
+
     def reset_parameters(self) -> None:
         super().reset_parameters()
         self.markov_head.reset_parameters()

@@ -69,6 +69,7 @@ class PeerFormat:
 
     model_type: str  # speculators_model_type
     architecture: str  # config.json `architectures`
+    serve_as: str = "draft-dflash"  # llama.cpp's --spec-type for it
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             DSparkKnobs,
             DSPARK_SHARED,
             "DSpark: DFlash + a low-rank Markov bias from the previous token and a per-slot confidence head",
-            None,
+            PeerFormat("dspark", "DSparkDraftModel", "draft-dspark"),
             DSPARK_DEFINING,
             contiguous_supervision=True,
         ),

@@ -402,9 +402,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_servable(draft)
     target_gguf, draft_gguf = gguf_files(engine, run, draft, target)
     block = draft.block_size - draft.shared.first_draft_slot
-    with LlamaServer(
-        engine, target_gguf, run.path(SERVED_DIR) / "server.log", draft_gguf, block, port=args.port
-    ) as server:
+    spec_type = draft.algorithm.entry.export_format.serve_as
+    log = run.path(SERVED_DIR) / "server.log"
+    with LlamaServer(engine, target_gguf, log, draft_gguf, block, spec_type, port=args.port) as server:
         print(f"serving {run.name} with llama.cpp {engine.commit[:9]} at {server.url} (Ctrl-C stops it)")
         print(
             f"try: curl {server.url}/v1/chat/completions -H 'Content-Type: application/json' "

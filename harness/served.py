@@ -144,7 +144,8 @@ def serve_and_compare(
     logs = run.path(SERVED_DIR)
     served: dict[tuple[str, float], list[Completion]] = {}
     alone: dict[str, list[Completion]] = {}
-    with LlamaServer(engine, target_gguf, logs / "server-draft.log", draft_gguf, block) as server:
+    spec_type = draft.algorithm.entry.export_format.serve_as
+    with LlamaServer(engine, target_gguf, logs / "server-draft.log", draft_gguf, block, spec_type) as server:
         for name, prompts in prompt_sets.items():
             for temperature in config.temperatures:
                 bar = tqdm(prompts, desc=f"serve {name} {temperature_tag(temperature)}", unit="request")
