@@ -32,6 +32,10 @@ MEASURED = {
 SERVED = {
     "served_greedy": "accepted_length_greedy",
     "served_agreement": "agreement_cycle_fraction",
+    "served_cycles": "cycles_compared",
+    "served_flips": "lossless_flips_vs_engine",
+    "served_flips_harness": "lossless_flips_vs_harness",
+    "served_speedup": "speedup",
 }
 
 

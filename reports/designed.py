@@ -197,7 +197,9 @@ def curves_section(record: StudyRecord, figure: str | None) -> tuple[str, str]:
             f"The runs were still improving at {budget} steps: every verdict in this report is a statement "
             f"about drafts trained {budget} steps, not about converged ones."
             if improving
-            else f"No improvement over the last third is resolved at {budget} steps."
+            else f"No improvement over the last third is resolved at {budget} steps. That is not convergence: "
+            "under a learning rate that decays to zero the last third trains at under a third of its peak, so a flat "
+            "last third is what the schedule produces whether or not a longer budget would help."
         )
     )
     parts.append(table_markdown(["run", "steps", "gain [95% interval]"], rows))

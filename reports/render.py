@@ -544,6 +544,35 @@ def _resolved_gain(config: Configuration) -> bool:
     return gain.excludes_zero and gain.value > 0
 
 
+def served_section(record: StudyRecord) -> str | None:
+    """Each run a serving engine checked: its served acceptance beside the harness's, and how they agreed."""
+    runs = record.runs
+    if runs.empty or "served_greedy" not in runs or runs["served_greedy"].isna().all():
+        return None
+    rows = [
+        [
+            f"`{run['run_name']}`",
+            fmt(run["realized_accepted_length"]),
+            fmt(run["measured_greedy"]),
+            fmt(run["served_greedy"]),
+            f"{run['served_agreement']:.3f} of {int(run['served_cycles'])}",
+            f"{int(run['served_flips'])} / {int(run['served_flips_harness'])}",
+            fmt(run["served_speedup"], 2),
+        ]
+        for _, run in runs[runs["served_greedy"].notna()].iterrows()
+    ]
+    note = (
+        "The run's draft served by llama.cpp (`evaluate --engine llama.cpp`, or the study's `evaluate.serve`) on "
+        "MT-bench and held-out chat prompts at T = 0, beside the harness's offline *realized* and its own measured "
+        "decoding. *Cycles agreeing*: the fraction of verify cycles, among those in which both drafted the whole "
+        "block, where llama.cpp accepted exactly what the harness's decoder accepted. *Flips*: requests whose served "
+        "tokens differ from the same engine without the draft / from the harness's greedy reference. *Speed-up*: "
+        "served tokens/s with the draft over without, on the machine that ran it. docs/metrics.md defines each."
+    )
+    headers = ["run", "realized", "measured T=0", "served T=0", "cycles agreeing", "flips", "speed-up"]
+    return "## Served (llama.cpp)\n\n" + note + "\n\n" + table(headers, rows)
+
+
 def deleted_runs(record: StudyRecord) -> str | None:
     """The child runs deleted in MLflow: named, and left out of every table, fit and ranking."""
     if not record.deleted:
@@ -748,7 +777,7 @@ def render_with_summary(
             if "accepted_lengths.png" in written
             else []
         ),
-        *filter(None, [component_ablation(configs), noise_sources(configs)]),
+        *filter(None, [component_ablation(configs), noise_sources(configs), served_section(record)]),
         *searched,
         curves,
         per_position(configs, "per_position.png" if "per_position.png" in written else None),

@@ -206,7 +206,7 @@ def test_designed_report_labels_a_real_effect_resolved_and_nulls_bounded(tmp_pat
 
 def test_designed_report_without_a_late_gain_says_so(tmp_path):
     markdown = render(_designed_record(conv_effect=0.0, selector_effect=0.0, rising=False), tmp_path)
-    assert "No improvement over the last third is resolved at 60 steps." in markdown
+    assert "No improvement over the last third is resolved at 60 steps. That is not convergence" in markdown
     verdicts = markdown.split("## Verdicts")[1]
     assert "still improving" not in verdicts and "at 60 steps." in verdicts
     assert "resolved (8 residual df)" not in verdicts.split("Selector gain")[0]
@@ -225,3 +225,24 @@ def test_the_header_counts_the_dtypes_the_runs_computed_in_and_flags_a_mix(tmp_p
     assert line.startswith("- **Computed in:** bf16 (2 runs). `auto`") and "MIXED" not in line
     runs[1][0]["computes_in"] = "fp32"
     assert "bf16 (1 run), fp32 (1 run); MIXED: " in _computed_in_line(runs, tmp_path)
+
+
+def test_a_served_run_gets_its_column_and_its_agreement_line(tmp_path):
+    served, plain = _run("dflash", 0, 1.10, 1.10, 1.50), _run("", 0, 1.20, 1.40, 1.90, trial=1)
+    served[0].update(
+        served_greedy=1.104,
+        served_greedy_se=0.01,
+        served_agreement=0.98,
+        served_cycles=50.0,
+        served_flips=1.0,
+        served_flips_harness=0.0,
+        served_speedup=0.4,
+    )
+    markdown = render(_record([served, plain]), tmp_path)
+    header = next(line for line in markdown.splitlines() if line.startswith("| run |"))
+    assert "served (llama.cpp) T=0" in header and "served = harness cycles" in header
+    section = markdown.split("## Served (llama.cpp)", 1)[1].split("\n## ", 1)[0]
+    assert f"| `{served[0]['run_name']}` | 1.100 | – | 1.104 | 0.980 of 50 | 1 / 0 | 0.40 |" in section
+    assert plain[0]["run_name"] not in section  # only runs an engine served
+    without = render(_record([_run("dflash", 0, 1.10, 1.10, 1.50)]), tmp_path)
+    assert "## Served" not in without and "served (llama.cpp)" not in without
