@@ -6,7 +6,6 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from unittest import mock
 
 import mlflow
@@ -16,7 +15,7 @@ from harness import tracking
 from harness.decode import speculative_generate, target_greedy
 from harness.evaluate import mtbench_questions, prompt_ids
 
-from conftest import E2E_MEMBERS
+from conftest import E2E_MEMBERS, e2e_run_config
 
 pytestmark = pytest.mark.slow
 # 4 prompts x 64 tokens reach well over a hundred verify cycles and accepted drafts per algorithm in CI; the
@@ -179,23 +178,40 @@ def test_export_loads_in_speculators_from_another_working_directory(e2e_workspac
     assert (out / "notes.txt").exists()
 
 
-def test_llama_cpp_serves_the_run_and_agrees_with_the_harness_cycle_by_cycle(e2e_workspace, e2e_workdir, trained):
-    """The real engine (built by scripts/setup.sh), the real conversion and server, on the 60-step DFlash2 run:
-    every compared cycle accepts what the harness's decoder accepts, unless a counted near-tie of the target
-    explains it; the lossless counts match the records; the GGUF carries the draft's shape."""
+@pytest.fixture(scope="module")
+def served_runs(e2e_workspace, trained):
+    """The 60-step DFlash2 run, and a short DSpark run (served as llama.cpp's draft-dspark)."""
+    from harness.train import train
+
+    dspark = train(
+        e2e_run_config("dspark", max_steps=20, eval_every=20, checkpoint_every=20, log_every=10),
+        e2e_workspace,
+        run_name="serves-dspark",
+    )
+    return {"dflash2": trained["dflash2"], "dspark": dspark}
+
+
+@pytest.mark.parametrize("algorithm", ["dflash2", "dspark"])
+def test_llama_cpp_serves_the_run_and_agrees_with_the_harness_cycle_by_cycle(
+    e2e_workspace, e2e_workdir, served_runs, algorithm
+):
+    """The real engine (built by scripts/setup.sh), the real conversion and server: every compared cycle accepts
+    what the harness's decoder accepts, unless a counted near-tie of the target explains it; the lossless counts
+    match the records; the GGUF carries the draft's shape."""
     from harness.config import EvalConfig
     from harness.run import SERVED_DIR, Run
     from harness.served import log_served, serve_and_compare
     from harness.serving import find_engine
 
     engine = find_engine()
-    run = Run.locate(Path("learns-dflash2"), e2e_workdir)
-    draft = trained["dflash2"].draft
+    result = served_runs[algorithm]
+    run = Run.at(result.run_dir)
+    draft = result.draft
     config = EvalConfig(num_prompts=2, max_new_tokens=32, temperatures=(0.0, 1.0))
     metrics, records = serve_and_compare(
         engine, run, e2e_workspace.target, draft, e2e_workspace.data.validation, config
     )
-    assert metrics["cycles_compared"] >= 10 and len(records) == 4
+    assert metrics["cycles_compared"] >= 10 and len(records) == 4, records
     for record in records:
         if record["divergence"] is not None:
             assert "near-tie" in record["divergence"]["cause"], record  # a token flip at a near-tie
@@ -226,8 +242,12 @@ def test_llama_cpp_serves_the_run_and_agrees_with_the_harness_cycle_by_cycle(e2e
     assert value("dflash.block_size") == draft.block_size
     assert value("dflash.target_layers") == list(draft.config.target_layer_ids)
     assert value("tokenizer.ggml.mask_token_id") == draft.config.mask_token_id
-    assert value("dflash.conv_kernel_size") == draft.config.conv_kernel_size
-    assert value("dflash.conv_group_size") == draft.config.conv_group_size
-    assert value("dflash.selector_rank") == draft.knobs.selector_rank
-    assert value("dflash.selector_top_k") == draft.shared.candidate_top_k
     assert value("dflash.attention.causal") is draft.config.causal_blocks
+    if algorithm == "dflash2":
+        assert value("dflash.conv_kernel_size") == draft.config.conv_kernel_size
+        assert value("dflash.conv_group_size") == draft.config.conv_group_size
+        assert value("dflash.selector_rank") == draft.knobs.selector_rank
+        assert value("dflash.selector_top_k") == draft.shared.candidate_top_k
+    else:  # DSpark: its Markov head (and confidence head) travel as tensors
+        assert value("dflash.sample_from_anchor") is draft.shared.sample_from_anchor
+        assert value("dflash.has_confidence_head") is True

@@ -1,0 +1,108 @@
+"""Served truth, tabulated: every run of a study that llama.cpp served (`evaluate.serve`, `evaluate --engine`),
+the harness's decoder beside the engine per prompt set, how their cycles agreed, the lossless flips and the
+speed with and without the draft. Reads only what the runs recorded: `python -m benchmarks.served --workdir work
+--study default` writes benchmarks/SERVED.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from datetime import UTC, datetime
+from pathlib import Path
+
+from harness import tracking
+from harness.run import SERVED_RECORDS_FILE
+
+OUT = Path(__file__).parent / "SERVED.md"
+
+
+def accepted_length(accepted: list[int]) -> float:
+    return 1 + sum(accepted) / len(accepted) if accepted else float("nan")
+
+
+def per_set(records: list[dict], key: str) -> dict[str, str]:
+    """Mean over requests of each request's tokens per cycle, and the accepted drafts and cycles it counts."""
+    found = {}
+    for name in sorted({r["set"] for r in records}):
+        rows = [r[key] for r in records if r["set"] == name and r[key]]
+        mean = sum(accepted_length(a) for a in rows) / len(rows) if rows else float("nan")
+        found[name] = f"{mean:.3f} ({sum(map(sum, rows))} accepted in {sum(map(len, rows))} cycles)"
+    return found
+
+
+def rows(workdir: Path, study: str) -> list[list[str]]:
+    client = tracking.client(workdir)
+    experiment = client.get_experiment_by_name(tracking.experiment_name(study))
+    if experiment is None:
+        raise SystemExit(f"error: no study named {study!r} in {workdir}")
+    table = []
+    for run in client.search_runs([experiment.experiment_id]):
+        prefix = tracking.SERVED_PREFIX
+        served = {k.removeprefix(prefix): v for k, v in run.data.metrics.items() if k.startswith(prefix)}
+        if "agreement_cycle_fraction" not in served:
+            continue
+        records = json.loads((Path(run.data.tags[tracking.TAG_RUN_DIR]) / SERVED_RECORDS_FILE).read_text())
+        ours, theirs = per_set(records, "harness_accepted"), per_set(records, "served_accepted")
+        for name in ours:
+            table.append(
+                [
+                    f"`{run.info.run_name}`",
+                    name,
+                    ours[name],
+                    theirs[name],
+                    f"{served['agreement_cycle_fraction']:.3f} of {int(served['cycles_compared'])}",
+                    f"{served['agreement_request_fraction']:.3f}",
+                    f"{int(served['lossless_flips_vs_engine'])} / {int(served['lossless_flips_vs_harness'])}",
+                    f"{served['tokens_per_s_draft']:.2f} / {served['tokens_per_s_alone']:.2f}",
+                ]
+            )
+    return table
+
+
+def markdown(workdir: Path, study: str) -> str:
+    headers = [
+        "run",
+        "prompts",
+        "harness decoder T=0",
+        "llama.cpp T=0",
+        "cycles agreeing",
+        "requests agreeing",
+        "flips (vs engine alone / vs harness)",
+        "tokens/s with / without draft",
+    ]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows(workdir, study)]
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return "\n".join(
+        [
+            "# Served truth: llama.cpp against the harness",
+            "",
+            f"Measured {when} by `python -m benchmarks.served --study {study}` from the study's runs "
+            f"(machine: {platform.machine()}, {platform.processor() or 'CPU'}). Per run and prompt set: the mean "
+            "over requests of tokens per verify cycle (1 + accepted drafts / cycles, the verified token included) "
+            "for the harness's own decoder and for llama.cpp on the same prompts at T = 0, with the counts behind "
+            "it; the fraction of cycles (among those in which both drafted the whole block) and of requests in "
+            "which the two accepted the same count; requests whose served tokens differ from the engine without "
+            "the draft and from the harness's greedy reference; and served tokens per second with and without the "
+            "draft on this machine (a drafter this early costs more than it saves).",
+            "",
+            *lines,
+            "",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("work"))
+    parser.add_argument("--study", default="default")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    args.out.write_text(markdown(args.workdir, args.study))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
