@@ -60,7 +60,7 @@ def rows(workdir: Path, study: str) -> list[list[str]]:
     return table
 
 
-def markdown(workdir: Path, study: str) -> str:
+def markdown(studies: list[tuple[Path, str]], note: str = "") -> str:
     headers = [
         "run",
         "prompts",
@@ -71,22 +71,25 @@ def markdown(workdir: Path, study: str) -> str:
         "flips (vs engine alone / vs harness)",
         "tokens/s with / without draft",
     ]
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows(workdir, study)]
+    lines = []
+    for workdir, study in studies:
+        lines += ["", f"## Study `{study}`", ""]
+        lines += ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+        lines += ["| " + " | ".join(row) + " |" for row in rows(workdir, study)]
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    command = " ".join(f"--study {workdir}:{study}" for workdir, study in studies)
     return "\n".join(
         [
             "# Served truth: llama.cpp against the harness",
             "",
-            f"Measured {when} by `python -m benchmarks.served --study {study}` from the study's runs "
+            f"Tabulated {when} by `python -m benchmarks.served {command}` from what the runs recorded "
             f"(machine: {platform.machine()}, {platform.processor() or 'CPU'}). Per run and prompt set: the mean "
             "over requests of tokens per verify cycle (1 + accepted drafts / cycles, the verified token included) "
             "for the harness's own decoder and for llama.cpp on the same prompts at T = 0, with the counts behind "
             "it; the fraction of cycles (among those in which both drafted the whole block) and of requests in "
             "which the two accepted the same count; requests whose served tokens differ from the engine without "
             "the draft and from the harness's greedy reference; and served tokens per second with and without the "
-            "draft on this machine (a drafter this early costs more than it saves).",
-            "",
+            "draft on the machine that served them." + (f" {note}" if note else ""),
             *lines,
             "",
         ]
@@ -95,11 +98,17 @@ def markdown(workdir: Path, study: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", type=Path, default=Path("work"))
-    parser.add_argument("--study", default="default")
+    parser.add_argument(
+        "--study",
+        action="append",
+        metavar="WORKDIR:STUDY",
+        help="a study and the work directory that holds it (repeatable; default: work:default)",
+    )
+    parser.add_argument("--note", default="", help="what the table cannot say (the machine's load, say)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
-    args.out.write_text(markdown(args.workdir, args.study))
+    studies = [(Path(w), s) for w, _, s in (item.rpartition(":") for item in args.study or ["work:default"])]
+    args.out.write_text(markdown(studies, args.note))
     print(f"wrote {args.out}")
     return 0
 
