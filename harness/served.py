@@ -10,6 +10,7 @@ accepts by token match; the harness samples the draft and verifies by rejection 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -129,99 +130,114 @@ def accepted_length(accepted: list[int]) -> float:
     return 1 + sum(accepted) / len(accepted) if accepted else float("nan")
 
 
+Served = dict[tuple[str, float], list[Completion]]  # (prompt set, temperature) -> one completion per prompt
+
+
 def serve_and_compare(
     engine: Engine, run: Run, target: Target, draft: DFlashDraft, chat_documents, config: EvalConfig
 ) -> tuple[dict[str, float], list[dict]]:
     """Serve the run's draft and the target alone; decode the same prompts with the harness; compare."""
     check_servable(draft)
-    target_gguf, draft_gguf = gguf_files(engine, run, draft, target)
-    block = draft.block_size - draft.shared.first_draft_slot
-    stop = {target.tokenizer.eos_token_id}
     prompt_sets = {
         "mtbench": [prompt_ids(target.tokenizer, q) for q in mtbench_questions(config.num_prompts)],
         "chat": chat_prompt_ids(chat_documents, config.num_prompts),
     }
-    logs = run.path(SERVED_DIR)
-    served: dict[tuple[str, float], list[Completion]] = {}
-    alone: dict[str, list[Completion]] = {}
+    temperatures = sorted({0.0, *config.temperatures})  # T = 0 always: the cycle-by-cycle check needs it
+    served, alone = serve_prompts(engine, run, target, draft, prompt_sets, temperatures, config)
+    records = [
+        record
+        for name, prompts in prompt_sets.items()
+        for record in compare_requests(target, draft, name, prompts, served, alone, config.max_new_tokens)
+    ]
+    return served_metrics(served, alone, records), records
+
+
+def serve_prompts(
+    engine: Engine, run: Run, target: Target, draft: DFlashDraft, prompt_sets: dict, temperatures: list, config
+) -> tuple[Served, Served]:
+    """Every prompt through the server with the draft at each temperature, then through the target alone."""
+    target_gguf, draft_gguf = gguf_files(engine, run, draft, target)
+    block, logs = draft.block_size - draft.shared.first_draft_slot, run.path(SERVED_DIR)
     spec_type = draft.algorithm.entry.export_format.serve_as
+    served: Served = {}
+    alone: Served = {}
+    tokens = config.max_new_tokens
     with LlamaServer(engine, target_gguf, logs / "server-draft.log", draft_gguf, block, spec_type) as server:
-        for name, prompts in prompt_sets.items():
-            for temperature in config.temperatures:
-                bar = tqdm(prompts, desc=f"serve {name} {temperature_tag(temperature)}", unit="request")
-                served[name, temperature] = [
-                    server.complete(p, config.max_new_tokens, temperature, config.seed + i) for i, p in enumerate(bar)
-                ]
+        for (name, prompts), temperature in itertools.product(prompt_sets.items(), temperatures):
+            bar = tqdm(prompts, desc=f"serve {name} {temperature_tag(temperature)}", unit="request")
+            served[name, temperature] = [
+                server.complete(p, tokens, temperature, config.seed + i) for i, p in enumerate(bar)
+            ]
     with LlamaServer(engine, target_gguf, logs / "server-alone.log") as server:
         for name, prompts in prompt_sets.items():
             bar = tqdm(prompts, desc=f"serve {name} without the draft", unit="request")
-            alone[name] = [server.complete(p, config.max_new_tokens) for p in bar]
+            alone[name, 0.0] = [server.complete(p, tokens) for p in bar]
+    return served, alone
 
+
+def compare_requests(
+    target: Target, draft: DFlashDraft, name: str, prompts: list, served: Served, alone: Served, tokens: int
+) -> list[dict]:
+    """Per request at T = 0: the harness's decoder against the served cycles, and the served tokens against the
+    engine alone and the harness's greedy reference."""
+    stop = {target.tokenizer.eos_token_id}
+    block = draft.block_size - draft.shared.first_draft_slot
+    references = target_greedy(target.model, target.tokenizer, prompts, tokens, stop)
+    records = []
+    for index, prompt in enumerate(tqdm(prompts, desc=f"decode {name} in the harness", unit="request")):
+        ours = speculative_generate(target.model, draft, prompt, tokens, stop)
+        theirs, engine_alone = served[name, 0.0][index], alone[name, 0.0][index]
+        our_accepted = [tau - 1 for tau in ours.acceptance_lengths]
+        our_drafted = [verified - 1 for verified in ours.verified_tokens]
+        compared, identical, divergence = compare_cycles(our_accepted, our_drafted, theirs, block)
+        if divergence is not None:
+            divergence.cause = cause_of(target, prompt, ours.tokens, theirs.tokens)
+        flip_harness = theirs.tokens != references[index]
+        records.append(
+            {
+                "set": name,
+                "prompt": index,
+                "harness_accepted": our_accepted,
+                "served_accepted": theirs.accepted,
+                "served_drafted": theirs.drafted,
+                "cycles_compared": compared,
+                "cycles_identical": identical,
+                "divergence": asdict(divergence) if divergence else None,
+                "served_tokens_differ_from_engine_alone": theirs.tokens != engine_alone.tokens,
+                "served_tokens_differ_from_harness_reference": flip_harness,
+                **({"flip": cause_of(target, prompt, references[index], theirs.tokens)} if flip_harness else {}),
+                "served_tokens_per_s": theirs.tokens_per_s,
+                "alone_tokens_per_s": engine_alone.tokens_per_s,
+            }
+        )
+    return records
+
+
+def served_metrics(served: Served, alone: Served, records: list[dict]) -> dict[str, float]:
+    """Served accepted lengths (per set and overall, per temperature) with their counts, agreement, flips, speed."""
+    nan = float("nan")
     metrics: dict[str, float] = {}
-    records: list[dict] = []
-    totals = {"compared": 0, "identical": 0, "requests": 0, "identical_requests": 0, "flips_engine": 0}
-    totals["flips_harness"] = 0
-    for name, prompts in prompt_sets.items():
-        references = target_greedy(target.model, target.tokenizer, prompts, config.max_new_tokens, stop)
-        for index, prompt in enumerate(tqdm(prompts, desc=f"decode {name} in the harness", unit="request")):
-            ours = speculative_generate(target.model, draft, prompt, config.max_new_tokens, stop)
-            theirs = served[name, 0.0][index] if (name, 0.0) in served else None
-            if theirs is None:
-                continue
-            our_accepted = [tau - 1 for tau in ours.acceptance_lengths]
-            our_drafted = [verified - 1 for verified in ours.verified_tokens]
-            compared, identical, divergence = compare_cycles(our_accepted, our_drafted, theirs, block)
-            if divergence is not None:
-                divergence.cause = cause_of(target, prompt, ours.tokens, theirs.tokens)
-            totals["compared"] += compared
-            totals["identical"] += identical
-            totals["requests"] += 1
-            totals["identical_requests"] += divergence is None
-            flip_engine = theirs.tokens != alone[name][index].tokens
-            flip_harness = theirs.tokens != references[index]
-            totals["flips_engine"] += flip_engine
-            totals["flips_harness"] += flip_harness
-            records.append(
-                {
-                    "set": name,
-                    "prompt": index,
-                    "harness_accepted": our_accepted,
-                    "served_accepted": theirs.accepted,
-                    "served_drafted": theirs.drafted,
-                    "cycles_compared": compared,
-                    "cycles_identical": identical,
-                    "divergence": asdict(divergence) if divergence else None,
-                    "served_tokens_differ_from_engine_alone": flip_engine,
-                    "served_tokens_differ_from_harness_reference": flip_harness,
-                    **({"flip": cause_of(target, prompt, references[index], theirs.tokens)} if flip_harness else {}),
-                    "served_tokens_per_s": theirs.tokens_per_s,
-                    "alone_tokens_per_s": alone[name][index].tokens_per_s,
-                }
-            )
-        for temperature in config.temperatures:
-            tag = temperature_tag(temperature)
-            lengths = [accepted_length(c.accepted) for c in served[name, temperature]]
-            value, se = mean_and_se(lengths)
-            metrics[f"{name}_accepted_length_{tag}"] = value
-            metrics[f"{name}_accepted_length_{tag}_se"] = se
-            metrics[f"{name}_cycles_{tag}"] = sum(len(c.accepted) for c in served[name, temperature])
-            metrics[f"{name}_accepted_tokens_{tag}"] = sum(sum(c.accepted) for c in served[name, temperature])
-    for tag in {temperature_tag(t) for t in config.temperatures}:
-        lengths = [
-            accepted_length(c.accepted) for key, runs in served.items() for c in runs if temperature_tag(key[1]) == tag
-        ]
+    by_tag: dict[str, list[float]] = {}
+    for (name, temperature), completions in served.items():
+        tag = temperature_tag(temperature)
+        lengths = [accepted_length(c.accepted) for c in completions]
+        by_tag.setdefault(tag, []).extend(lengths)
+        metrics[f"{name}_accepted_length_{tag}"], metrics[f"{name}_accepted_length_{tag}_se"] = mean_and_se(lengths)
+        metrics[f"{name}_cycles_{tag}"] = sum(len(c.accepted) for c in completions)
+        metrics[f"{name}_accepted_tokens_{tag}"] = sum(sum(c.accepted) for c in completions)
+    for tag, lengths in by_tag.items():
         metrics[f"accepted_length_{tag}"], metrics[f"accepted_length_{tag}_se"] = mean_and_se(lengths)
-    with_draft = [c.tokens_per_s for key, runs in served.items() if key[1] == 0 for c in runs]
-    without = [c.tokens_per_s for runs in alone.values() for c in runs]
-    metrics["tokens_per_s_draft"] = statistics.fmean(with_draft) if with_draft else float("nan")
-    metrics["tokens_per_s_alone"] = statistics.fmean(without) if without else float("nan")
-    metrics["speedup"] = metrics["tokens_per_s_draft"] / metrics["tokens_per_s_alone"]
-    metrics["agreement_cycle_fraction"] = totals["identical"] / totals["compared"] if totals["compared"] else 1.0
-    metrics["agreement_request_fraction"] = totals["identical_requests"] / max(1, totals["requests"])
-    metrics["cycles_compared"] = totals["compared"]
-    metrics["lossless_flips_vs_engine"] = totals["flips_engine"]
-    metrics["lossless_flips_vs_harness"] = totals["flips_harness"]
-    return metrics, records
+    speed = lambda runs: statistics.fmean(c.tokens_per_s for key, cs in runs.items() if key[1] == 0 for c in cs)  # noqa: E731
+    metrics["tokens_per_s_draft"], metrics["tokens_per_s_alone"] = speed(served), speed(alone)
+    metrics["speedup"] = metrics["tokens_per_s_draft"] / metrics["tokens_per_s_alone"] if speed(alone) else nan
+    compared = sum(r["cycles_compared"] for r in records)
+    metrics["cycles_compared"] = compared
+    metrics["agreement_cycle_fraction"] = sum(r["cycles_identical"] for r in records) / compared if compared else nan
+    agreeing = sum(r["divergence"] is None for r in records)
+    metrics["agreement_request_fraction"] = agreeing / len(records) if records else nan
+    metrics["lossless_flips_vs_engine"] = sum(r["served_tokens_differ_from_engine_alone"] for r in records)
+    metrics["lossless_flips_vs_harness"] = sum(r["served_tokens_differ_from_harness_reference"] for r in records)
+    return metrics
 
 
 def log_served(run: Run, engine: Engine, metrics: dict[str, float], records: list[dict]) -> None:

@@ -286,14 +286,6 @@ def trained(e2e_workspace):
     }
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextlib.contextmanager
 def mlflow_server(backend_store_uri: str, *options: str):
     """A real `mlflow server` on a free local port, in its own process group; yields (url, process)."""
@@ -302,6 +294,8 @@ def mlflow_server(backend_store_uri: str, *options: str):
     import sys
     import time
     import urllib.request
+
+    from harness.serving import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
