@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from algorithms.dflash import DFlashDraft
-from harness import tracking
+from harness import devices, tracking
 from harness.config import EvalConfig
 from harness.decode import speculative_generate, target_greedy
 from harness.evaluate import chat_prompt_ids, mtbench_questions, prompt_ids, temperature_tag
@@ -149,7 +149,27 @@ def serve_and_compare(
         for name, prompts in prompt_sets.items()
         for record in compare_requests(target, draft, name, prompts, served, alone, config.max_new_tokens)
     ]
-    return served_metrics(served, alone, records), records
+    metrics = served_metrics(served, alone, records)
+    for temperature in temperatures[1:]:
+        metrics.update(harness_sampled(target, draft, prompt_sets, temperature, config))
+    return metrics, records
+
+
+def harness_sampled(target: Target, draft: DFlashDraft, prompt_sets: dict, temperature: float, config) -> dict:
+    """The harness's own decoder at T > 0 on the served prompts, to stand beside the served number: the two differ
+    by design (docs/metrics.md), so neither is forced to the other."""
+    stop = {target.tokenizer.eos_token_id}
+    generator = devices.generator(devices.model_device(target.model), config.seed)
+    tag = temperature_tag(temperature)
+    lengths = []
+    for name, prompts in prompt_sets.items():
+        for prompt in tqdm(prompts, desc=f"decode {name} {tag} in the harness", unit="request"):
+            stats = speculative_generate(
+                target.model, draft, prompt, config.max_new_tokens, stop, temperature, generator
+            )
+            lengths.append(stats.mean_acceptance_length)
+    value, se = mean_and_se(lengths)
+    return {f"harness_accepted_length_{tag}": value, f"harness_accepted_length_{tag}_se": se}
 
 
 def serve_prompts(
@@ -206,6 +226,8 @@ def compare_requests(
                 "served_tokens_differ_from_engine_alone": theirs.tokens != engine_alone.tokens,
                 "served_tokens_differ_from_harness_reference": flip_harness,
                 **({"flip": cause_of(target, prompt, references[index], theirs.tokens)} if flip_harness else {}),
+                "served_draft_n": theirs.draft_n,
+                "served_draft_n_accepted": theirs.draft_n_accepted,
                 "served_tokens_per_s": theirs.tokens_per_s,
                 "alone_tokens_per_s": engine_alone.tokens_per_s,
             }

@@ -224,7 +224,12 @@ def test_llama_cpp_serves_the_run_and_agrees_with_the_harness_cycle_by_cycle(
     )
     assert all("near-tie" in r["flip"] and "not a near-tie" not in r["flip"] for r in records if "flip" in r)
     assert metrics["tokens_per_s_draft"] > 0 and metrics["tokens_per_s_alone"] > 0
-    assert 1.0 <= metrics["accepted_length_greedy"] <= draft.block_size and "accepted_length_t1" in metrics
+    assert 1.0 <= metrics["accepted_length_greedy"] <= draft.block_size
+    assert 1.0 <= metrics["accepted_length_t1"] <= draft.block_size  # served at T = 1 ...
+    assert 1.0 <= metrics["harness_accepted_length_t1"] <= draft.block_size  # ... beside the harness at T = 1
+    # the per-cycle trace lines add up to the server's own per-request totals
+    assert sum(r["served_draft_n_accepted"] for r in records) == sum(sum(r["served_accepted"]) for r in records)
+    assert sum(r["served_draft_n"] for r in records) == sum(sum(r["served_drafted"]) for r in records)
 
     log_served(run, engine, metrics, records)
     logged = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir)).get_run(run.run_id).data
