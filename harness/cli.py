@@ -541,6 +541,29 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (ValueError, LookupError, OSError, OperationalError, EngineError)
 
 
+class LineTrackingStream:
+    """A command's stderr that remembers whether its last write left a line open (a progress bar draws with `\r`
+    and no newline), so that an error can start a line of its own even after the bar itself is gone."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.line_open = False
+
+    def write(self, text: str) -> int:
+        if text:
+            self.line_open = not text.endswith("\n")
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+def track_stderr_lines() -> None:
+    """Route stderr through a LineTrackingStream before any logger or progress bar takes hold of it."""
+    if not isinstance(sys.stderr, LineTrackingStream):
+        sys.stderr = LineTrackingStream(sys.stderr)
+
+
 def print_error(message: str) -> None:
     """Write a command's one-line error on a line of its own.
 
@@ -555,6 +578,10 @@ def print_error(message: str) -> None:
         except AttributeError:  # built only up to its first draw: end the line it drew
             if (stream := getattr(bar, "fp", None)) is not None:
                 stream.write("\n")
+    # A bar interrupted inside its constructor can be collected (and leave tqdm's registry) before this runs: its
+    # line is still open on stderr.
+    if getattr(sys.stderr, "line_open", False):
+        sys.stderr.write("\n")
     print(message, file=sys.stderr)
 
 
@@ -574,6 +601,7 @@ def check_outputs_writable(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    track_stderr_lines()
     args = build_parser().parse_args(argv)
     args.argv = argv
     logging.basicConfig(

@@ -319,17 +319,22 @@ def test_bad_input_ends_in_one_error_line_exit_2_and_leaves_the_workdir_alone(
     assert _fingerprint(workdir) == before
 
 
-@pytest.mark.parametrize("built", ["whole", "up to its first draw"])
-def test_an_error_after_an_unfinished_progress_bar_starts_its_own_line(capsys, built):
+@pytest.mark.parametrize("built", ["whole", "up to its first draw", "collected before the error"])
+def test_an_error_after_an_unfinished_progress_bar_starts_its_own_line(capsys, monkeypatch, built):
     """A Ctrl-C inside tqdm's constructor (after its first draw) leaves a bar that no `with` block ends; the error
-    once ran on into the bar's line ('... 0/240 [00:00<?, ?turn/s]error: interrupted'), as CI saw."""
+    once ran on into the bar's line ('... 0/240 [00:00<?, ?turn/s]error: interrupted'), as CI saw, twice: the
+    second time the half-built bar had already left tqdm's registry, so only stderr itself knew its line was open."""
     from tqdm.auto import tqdm
 
-    from harness.cli import print_error
+    from harness.cli import print_error, track_stderr_lines
 
+    monkeypatch.setattr(sys, "stderr", sys.stderr)  # restored after the test
+    track_stderr_lines()
     bar = tqdm(total=240, desc="regenerating responses", unit="turn", file=sys.stderr)
     if built != "whole":
         del bar.start_t  # the constructor sets it last, after the first draw
+    if built == "collected before the error":
+        tqdm._instances.remove(bar)
     print_error("error: interrupted (Ctrl-C)")
     lines = capsys.readouterr().err.splitlines()
     assert lines[-1] == "error: interrupted (Ctrl-C)"
