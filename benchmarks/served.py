@@ -13,12 +13,9 @@ from pathlib import Path
 
 from harness import tracking
 from harness.run import SERVED_RECORDS_FILE
+from harness.served import accepted_length
 
 OUT = Path(__file__).parent / "SERVED.md"
-
-
-def accepted_length(accepted: list[int]) -> float:
-    return 1 + sum(accepted) / len(accepted) if accepted else float("nan")
 
 
 def per_set(records: list[dict], key: str) -> dict[str, str]:

@@ -310,7 +310,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     state = run.load_checkpoint()
     config = checkpoint_config(state)
     if engine is not None:
-        served_format(config)
+        from harness.served import check_served_format
+
+        check_served_format(config.algorithm.entry)
     workspace = prepare_workspace(config, run.workdir, args.device)
     draft = restore_draft(state, workspace.target, args.device)
     eval_config = EvalConfig(
@@ -349,17 +351,6 @@ def served_engine(args: argparse.Namespace):
     return find_engine()
 
 
-def served_format(config) -> None:
-    """A run whose algorithm has no export format cannot be served: refused before the target loads."""
-    from harness.export import NoPeerFormat, peer_format
-    from harness.serving import ENGINE
-
-    try:
-        peer_format(config.algorithm.entry)
-    except NoPeerFormat as error:
-        raise SystemExit(f"error: invalid --engine={ENGINE}: {error}") from None
-
-
 def evaluate_served(engine, run, workspace, draft, eval_config) -> int:
     from harness import tracking
     from harness.run import SERVED_RECORDS_FILE
@@ -386,17 +377,17 @@ def evaluate_served(engine, run, workspace, draft, eval_config) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a run's draft with its target in llama.cpp for a person to try, until Ctrl-C."""
     from harness.run import SERVED_DIR
-    from harness.served import check_servable, gguf_files
-    from harness.serving import LlamaServer
+    from harness.served import check_servable, check_served_format, gguf_files
+    from harness.serving import ENGINE, LlamaServer
     from harness.targets import load_target
     from harness.train import checkpoint_config, restore_draft
 
-    args.engine = "llama.cpp"
+    args.engine = ENGINE
     engine = served_engine(args)
     run = located_run(args)
     state = run.load_checkpoint()
     config = checkpoint_config(state)
-    served_format(config)
+    check_served_format(config.algorithm.entry)
     target = load_target(config.target, run.workdir, config.algorithm.shared.mask_token_id)
     draft = restore_draft(state, target)
     check_servable(draft)
@@ -505,9 +496,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="confidence-scheduled verification for a member with a confidence head (DSpark): verify the draft "
         "prefix whose predicted cumulative acceptance is at least this (default: %(default)s, the whole block)",
     )
+    from harness.serving import ENGINE
+
     evaluate.add_argument(
         "--engine",
-        choices=["llama.cpp"],
+        choices=[ENGINE],
         help="serve the draft in this engine instead, on the same prompts, and compare cycle by cycle with the "
         "harness's own decoder (served/llama_cpp/*; built by scripts/setup.sh)",
     )

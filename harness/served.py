@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from algorithms.dflash import DFlashDraft
+from algorithms.registry import Algorithm
 from harness import devices, tracking
 from harness.config import EvalConfig
 from harness.decode import speculative_generate, target_greedy
@@ -30,17 +31,23 @@ from harness.files import atomic_write
 from harness.run import SERVED_DIR, SERVED_RECORDS_FILE, Run
 from harness.serving import ENGINE, Completion, Engine, EngineError, LlamaServer, to_gguf
 from harness.targets import Target
+from harness.uncertainty import mean_estimate
 
 NEAR_TIE = 0.05  # a top-2 logit gap below this counts as a near-tie: the verify batch's rounding may flip it
+
+
+def check_served_format(entry: Algorithm) -> None:
+    """A member with no export format cannot be served: refused from the run's config, before the target loads."""
+    try:
+        peer_format(entry)
+    except NoPeerFormat as error:
+        raise EngineError(f"invalid --engine={ENGINE} for run of {entry.name}: {error}") from None
 
 
 def check_servable(draft: DFlashDraft) -> None:
     """Refuse, in one line and before any work, what llama.cpp cannot serve."""
     entry = draft.algorithm.entry
-    try:
-        peer_format(entry)
-    except NoPeerFormat as error:
-        raise EngineError(f"invalid --engine={ENGINE} for run of {entry.name}: {error}") from None
+    check_served_format(entry)
     top_k, hidden = draft.shared.candidate_top_k, draft.config.target.hidden_size
     if entry.has_selector and hidden < top_k * (top_k + 1):
         raise EngineError(
@@ -118,11 +125,9 @@ def cause_of(target: Target, prompt: list[int], ours: list[int], theirs: list[in
 
 
 def mean_and_se(values: list[float]) -> tuple[float, float]:
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
-        return float("nan"), float("nan")
-    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan")
-    return statistics.fmean(values), se
+    """The mean over requests and its standard error, as `evaluate` takes a measured accepted length's."""
+    estimate = mean_estimate(values)
+    return estimate.value, estimate.se
 
 
 def accepted_length(accepted: list[int]) -> float:
@@ -250,8 +255,9 @@ def served_metrics(served: Served, alone: Served, records: list[dict]) -> dict[s
     for tag, lengths in by_tag.items():
         metrics[f"accepted_length_{tag}"], metrics[f"accepted_length_{tag}_se"] = mean_and_se(lengths)
     speed = lambda runs: statistics.fmean(c.tokens_per_s for key, cs in runs.items() if key[1] == 0 for c in cs)  # noqa: E731
-    metrics["tokens_per_s_draft"], metrics["tokens_per_s_alone"] = speed(served), speed(alone)
-    metrics["speedup"] = metrics["tokens_per_s_draft"] / metrics["tokens_per_s_alone"] if speed(alone) else nan
+    with_draft, without = speed(served), speed(alone)
+    metrics["tokens_per_s_draft"], metrics["tokens_per_s_alone"] = with_draft, without
+    metrics["speedup"] = with_draft / without if without else nan
     compared = sum(r["cycles_compared"] for r in records)
     metrics["cycles_compared"] = compared
     metrics["agreement_cycle_fraction"] = sum(r["cycles_identical"] for r in records) / compared if compared else nan
