@@ -62,6 +62,8 @@ class FactorialDesign:
 
     levels: dict[str, tuple[Any, Any]]
     generators: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # 3 only for a longer budget's subset, whose main effects may alias two-factor interactions (it says so)
+    min_resolution: int = MIN_RESOLUTION
 
     kind = FACTORIAL
 
@@ -72,20 +74,22 @@ class FactorialDesign:
                     f"invalid generator {name}={'×'.join(word)}: allowed a generated factor set to the product "
                     f"of two or more base factors from {self.base}"
                 )
-        if self.words and self.resolution < MIN_RESOLUTION:
+        if self.words and self.resolution < self.min_resolution:
             short = min(self.words, key=len)
             raise DesignError(
                 f"resolution {self.resolution} fraction (defining word I={word_name(short)}) aliases a main effect "
-                f"with another main effect or a two-factor interaction: allowed resolution >= {MIN_RESOLUTION}; "
-                "use a smaller fraction or more runs"
+                f"with another main effect{' or a two-factor interaction' * (self.min_resolution > 3)}: allowed "
+                f"resolution >= {self.min_resolution}; use a smaller fraction or more runs"
             )
 
     @classmethod
-    def standard(cls, levels: dict[str, tuple[Any, Any]], fraction: int) -> FactorialDesign:
+    def standard(
+        cls, levels: dict[str, tuple[Any, Any]], fraction: int, min_resolution: int = MIN_RESOLUTION
+    ) -> FactorialDesign:
         """The minimum-aberration 2^(k-p) fraction with the last `fraction` factors generated."""
         names, k = list(levels), len(levels)
         if fraction == 0:
-            return cls(levels)
+            return cls(levels, min_resolution=min_resolution)
         if (k, fraction) not in STANDARD_GENERATORS:
             known = sorted(p for (factors, p) in STANDARD_GENERATORS if factors == k)
             raise DesignError(
@@ -94,7 +98,8 @@ class FactorialDesign:
         base = names[: k - fraction]
         generated = names[k - fraction :]
         words = STANDARD_GENERATORS[(k, fraction)]
-        return cls(levels, {g: tuple(base[i] for i in w) for g, w in zip(generated, words, strict=True)})
+        generators = {g: tuple(base[i] for i in w) for g, w in zip(generated, words, strict=True)}
+        return cls(levels, generators, min_resolution)
 
     @property
     def factors(self) -> list[str]:
@@ -256,6 +261,16 @@ def design_from_spec(spec: dict[str, Any]) -> Design:
     if spec["type"] == ONE_AT_A_TIME:
         return OneAtATimeDesign(dict(spec["centre"]), levels)
     generators = spec.get("generators") or {}
+    resolution = int(spec.get("min_resolution", MIN_RESOLUTION))
     if generators:
-        return FactorialDesign(levels, {k: tuple(v) for k, v in generators.items()})
-    return FactorialDesign.standard(levels, int(spec.get("fraction", 0)))
+        return FactorialDesign(levels, {k: tuple(v) for k, v in generators.items()}, resolution)
+    return FactorialDesign.standard(levels, int(spec.get("fraction", 0)), resolution)
+
+
+def longer_budget_spec(spec: dict[str, Any], fraction: int | None) -> dict[str, Any]:
+    """The design a longer budget runs: the same one, or (a factorial's `fraction`) the standard 2^(k-p)
+    fraction, where resolution III is allowed: it keeps every main effect estimable, aliased only with
+    two-factor interactions, which the short budget's fit measured or pooled."""
+    if fraction is None or spec["type"] != FACTORIAL:
+        return dict(spec)
+    return {"type": FACTORIAL, "factors": spec["factors"], "fraction": fraction, "min_resolution": 3}

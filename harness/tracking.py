@@ -43,6 +43,7 @@ TAG_BEST_RUN_ID, TAG_TRIALS_USED = "dflash_lab.best_run_id", "dflash_lab.trials_
 TAG_DESIGN_POINT = "dflash_lab.design_point"  # a designed study's trial: its point as JSON
 TAG_WORLD_SIZE = "dflash_lab.world_size"  # data-parallel ranks of the latest (re)start
 TAG_COMPUTES_IN = "dflash_lab.computes_in"  # bf16 or fp32: what train.precision chose at the latest (re)start
+TRANSFER_TAG_PREFIX = "dflash_lab.transfer."  # a parent run's tag per effect and longer budget: its transfer label
 # The serving engine that checked a run's acceptance (`evaluate --engine llama.cpp`): its commit and the GGUF
 # converter's version.
 TAG_ENGINE_COMMIT, TAG_GGUF_VERSION = "dflash_lab.served.llama_cpp_commit", "dflash_lab.served.gguf_version"
@@ -260,6 +261,12 @@ def ui_hint(workdir: Path, experiment: str) -> str:
     experiment_id = configure(workdir, experiment)
     start = "" if is_server(tracking_uri(workdir)) else f"{ui_command(workdir)}, then open "
     return f"MLflow UI ({experiment}): {start}{runs_link(workdir, experiment_id)}"
+
+
+def transfer_tag(key: str) -> str:
+    """`240/conv_kernel_size` -> `dflash_lab.transfer.240.conv_kernel_size`; MLflow's tag names allow no `×`."""
+    steps, _, term = key.partition("/")
+    return f"{TRANSFER_TAG_PREFIX}{steps}.{term.replace('×', '_x_')}"
 
 
 def metric_key(name: str, prefix: str) -> str:

@@ -113,12 +113,17 @@ def paired_difference(a_sums, a_totals, b_sums, b_totals, confidence: float = CO
     return t_interval(ratio_a - ratio_b, _clustered_se(influence_a - influence_b), int(keep.sum()), confidence)
 
 
+def welch_dof(a: Estimate, b: Estimate) -> float:
+    """The Welch-Satterthwaite degrees of freedom of a - b, each estimate on its own n - 1."""
+    return (a.se**2 + b.se**2) ** 2 / (a.se**4 / max(a.n - 1, 1) + b.se**4 / max(b.n - 1, 1))
+
+
 def unpaired_difference(a: Estimate, b: Estimate, confidence: float = CONFIDENCE) -> Estimate:
     """a - b for independent estimates (Welch-Satterthwaite degrees of freedom)."""
     se = math.sqrt(a.se**2 + b.se**2)
     if not math.isfinite(se) or se == 0:
         return Estimate(a.value - b.value, float("nan"), float("nan"), float("nan"), min(a.n, b.n))
-    dof = se**4 / (a.se**4 / max(a.n - 1, 1) + b.se**4 / max(b.n - 1, 1))
+    dof = welch_dof(a, b)
     half = float(stats.t.ppf(0.5 + confidence / 2, dof)) * se
     value = a.value - b.value
     return Estimate(value, se, value - half, value + half, min(a.n, b.n))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from harness import tracking
 from reports.collect import collect
-from reports.designed import design_metrics
+from reports.designed import design_metrics, transfer_section
 from reports.render import headline, leaderboard_frame, render_comparison, render_with_summary, study_configurations
 
 LEADERBOARD_TABLE = "report/leaderboard.json"
@@ -40,6 +40,8 @@ def build_report_with_summary(study: str, workdir: Path, out_root: Path | None =
     logged = tracking.ChangedMetrics(client, parent)
     for key, value in design_metrics(record).items():  # a rebuilt report adds no rows
         logged.log(key, value)
+    for key, value in transfer_section(record)[2].items():  # how each verdict carried to a longer budget
+        client.set_tag(parent, tracking.transfer_tag(key), value)
     return path, summary
 
 

@@ -7,6 +7,7 @@ the report is rebuilt from the tracking store alone.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from harness.design import FACTORIAL, Design, design_from_spec
 from harness.uncertainty import Estimate, mean_estimate, ratio_estimate, t_interval, unpaired_difference
 from harness.validation import SUBSET_ROWS, pairs
 from reports.collect import StudyRecord
-from reports.effects import ARM, Fit, Unit, fit_design
+from reports.effects import ARM, TRANSFER_MEANINGS, Effect, Fit, Unit, fit_design, transfer_label
 
 MIN_RESIDUAL_DOF = 4  # `interactions: auto` fits the resolved 2FIs only while this many residual df remain
 LAST_PART = 1 / 3  # the learning-curve gain is measured over the last third of training
@@ -34,6 +35,29 @@ class RecordedDesign:
     margin: float
     interactions: str
     reference: str
+    budgets: list[int]  # shortest first; [] where the store has no step budget
+    longer: Design  # the design the longer budgets ran (the same one unless a fraction of it)
+
+
+def recorded_budgets(record: StudyRecord) -> list[int]:
+    """The study's step budgets as its parent run recorded them (stores from before `budgets:` have one)."""
+    params = record.parent["params"]
+    if params.get("study.budgets"):
+        return [int(b) for b in params["study.budgets"].split(",")]
+    steps = params.get("study.steps_per_trial", "")
+    return [int(steps)] if str(steps).isdigit() else []
+
+
+def at_budget(record: StudyRecord, steps: int) -> StudyRecord:
+    """The study's runs trained for `steps`."""
+    runs = record.runs if record.runs.empty else record.runs[record.runs["max_steps"] == steps]
+    return dataclasses.replace(record, runs=runs.reset_index(drop=True))
+
+
+def first_budget(record: StudyRecord) -> StudyRecord:
+    """What every section but the budget transfer reads: the runs at the study's first budget."""
+    budgets = recorded_budgets(record)
+    return at_budget(record, budgets[0]) if len(budgets) > 1 else record
 
 
 def recorded_design(record: StudyRecord) -> RecordedDesign | None:
@@ -41,11 +65,14 @@ def recorded_design(record: StudyRecord) -> RecordedDesign | None:
     if "study.design" not in params:
         return None
     spec = json.loads(params["study.design"])
+    longer = json.loads(params.get("study.longer_design") or params["study.design"])
     return RecordedDesign(
         design_from_spec(spec),
         float(params.get("study.design_margin", 0.05)),
         params.get("study.design_interactions", "auto"),
         params.get("study.design_reference", ""),
+        recorded_budgets(record),
+        design_from_spec(longer),
     )
 
 
@@ -88,11 +115,15 @@ def term_label(term: str, reference: str) -> str:
     return f"`{term}`"
 
 
-def effects_section(record: StudyRecord, improving: str) -> tuple[str | None, list[str]]:
-    """The designed-effects section and its verdict lines (None for a study without a design)."""
+def effects_section(
+    record: StudyRecord, improving: str, carried: dict[str, str] | None = None
+) -> tuple[str | None, list[str]]:
+    """The designed-effects section and its verdict lines (None for a study without a design), at the first
+    budget; `carried` adds to a term's verdict line how it carried to the longer budgets."""
     recorded = recorded_design(record)
     if recorded is None:
         return None, []
+    record = first_budget(record)
     units = design_units(record, recorded)
     design = recorded.design
     parts = [
@@ -133,11 +164,42 @@ def effects_section(record: StudyRecord, improving: str) -> tuple[str | None, li
     # (a member design's `algorithm=M`: M − the base member).
     difference = "high − low" if design.kind == FACTORIAL else "move − centre"
     parts.append(table_markdown([f"effect ({difference})", "estimate [95% interval]", "label", "detectable"], rows))
+    if fit.reference_noise is not None:
+        parts.append(noise_by_arm(fit, recorded.reference))
+    carried = carried or {}
     lines = [
-        f"- {term_label(e.term, recorded.reference)}: {e.text()} ({fit.residual_dof} residual df){improving}."
+        f"- {term_label(e.term, recorded.reference)}: {e.text()} ({dof_text(e, fit)}){improving}"
+        f"{carried.get(e.term, '')}."
         for e in fit.effects
     ]
     return "\n\n".join(parts), lines
+
+
+def dof_text(effect: Effect, fit: Fit) -> str:
+    """The degrees of freedom an effect's interval rests on: the design's residual, or the arm difference's."""
+    if effect.term == ARM:
+        runs = fit.reference_noise.runs if fit.reference_noise else 0
+        return f"Welch, {runs} reference run{'s' * (runs != 1)}"
+    return f"{fit.residual_dof} residual df"
+
+
+def noise_by_arm(fit: Fit, reference: str) -> str:
+    """Each arm's spread between runs beside its within-run standard error, and what the arm difference uses."""
+    rows = []
+    for name, noise, how in (
+        ("design runs", fit.design_noise, "residual around the fitted effects: training noise and unfitted terms"),
+        (f"`{reference}` (reference)", fit.reference_noise, "between its seeds"),
+    ):
+        between = "–" if math.isnan(noise.between) else f"{noise.between:.3f}"
+        spread = "– (one run)" if math.isnan(noise.spread) else f"{noise.spread:.3f} ({how})"
+        rows.append([name, noise.runs, spread, f"{noise.within_se:.3f}", between])
+    return (
+        "**Training noise by arm.** Each arm's runs spread by training noise (seed, data order) on top of "
+        "measurement noise (which validation anchors there are, the within-run SE). The reference arm trains another "
+        "algorithm and keeps its own spread: design − reference is the difference of the two arms' means, each "
+        "with its own variance (Welch), so the reference's seed noise is inside that interval.\n\n"
+        + table_markdown(["arm", "runs", "spread between runs (sd)", "within-run SE (rms)", "beyond measurement"], rows)
+    )
 
 
 def table_markdown(headers: list[str], rows: list[list]) -> str:
@@ -238,6 +300,7 @@ def design_metrics(record: StudyRecord) -> dict[str, float]:
     recorded = recorded_design(record)
     if recorded is None:
         return {}
+    record = first_budget(record)
     units = design_units(record, recorded)
     fit, _ = fit_recorded(recorded, units)
     wall = record.runs.loc[record.runs["run_name"].isin([u.name for u in units]), "wall_s"]
@@ -247,3 +310,86 @@ def design_metrics(record: StudyRecord) -> dict[str, float]:
         "design/residual_dof": float(fit.residual_dof),
         "design/resolved_effects": float(sum(e.label == "resolved" for e in fit.effects)),
     }
+
+
+def transfer_section(record: StudyRecord) -> tuple[str | None, dict[str, str], dict[str, str]]:
+    """How each effect carried from the first budget to each longer one. Returns the section (None with one
+    budget), each term's verdict-line suffix, and the labels for the parent run's tags (`steps/term` -> label)."""
+    recorded = recorded_design(record)
+    if recorded is None or len(recorded.budgets) < 2:
+        return None, {}, {}
+    first, *longer = recorded.budgets
+    short_fit, _ = fit_recorded(recorded, design_units(at_budget(record, first), recorded))
+    long_recorded = dataclasses.replace(recorded, design=recorded.longer)
+    parts = [
+        "## Budget transfer",
+        "The same question asked again at a longer budget: every run trained from the start for "
+        f"{', '.join(map(str, longer))} steps, with the learning rate's schedule stretched to its length, and "
+        f"fitted as at {first} steps. The change is longer − shorter, the two fits' runs independent (Welch). "
+        "What each label means:\n\n"
+        + "\n".join(f"- *{name}*: {meaning}." for name, meaning in TRANSFER_MEANINGS.items()),
+    ]
+    suffixes: dict[str, str] = {}
+    labels: dict[str, str] = {}
+    for steps in longer:
+        long_fit, _ = fit_recorded(long_recorded, design_units(at_budget(record, steps), long_recorded))
+        parts.append(f"### {first} → {steps} steps")
+        parts.append(longer_design_text(recorded, steps))
+        if not short_fit.effects or not long_fit.effects:
+            parts.append(f"No transfer can be labelled yet: {long_fit.note or short_fit.note or 'no finished run'}.")
+            continue
+        at_long = {e.term: e for e in long_fit.effects}
+        rows = []
+        for short in short_fit.effects:
+            long = at_long.get(short.term)
+            if long is None:
+                continue
+            found, change = transfer_label(short, long)
+            name = term_label(short.term, recorded.reference)
+            rows.append([name, short.text(), long.text(), change.text(signed=True), f"**{found}**"])
+            suffixes[short.term] = suffixes.get(short.term, "") + f"; at {steps} steps {long.text()}: {found}"
+            labels[f"{steps}/{short.term}"] = found
+        parts.append(table_markdown(["effect", f"at {first} steps", f"at {steps} steps", "change", "transfer"], rows))
+        parts.append(budget_gains(short_fit, long_fit, first, steps, recorded))
+    return "\n\n".join(parts), suffixes, labels
+
+
+def longer_design_text(recorded: RecordedDesign, steps: int) -> str:
+    """Which points the longer budget ran, and why they are enough."""
+    if recorded.longer.describe() == recorded.design.describe():
+        return f"**Design at {steps} steps:** the same {recorded.design.describe()}."
+    return (
+        f"**Design at {steps} steps:** {recorded.longer.describe()}, the fraction that keeps every main effect "
+        "estimable at half the runs or fewer. Its main effects are aliased with two-factor interactions, so each is "
+        "read as the main effect plus the interactions named below: enough to see whether a main effect held, "
+        "reversed or vanished, not to separate it from an interaction that appears only at the longer budget.\n\n"
+        + "\n".join(f"- {line}" for line in recorded.longer.alias_lines())
+    )
+
+
+def budget_gains(short: Fit, long: Fit, first: int, steps: int, recorded: RecordedDesign) -> str:
+    """The measured convergence label: what the longer budget gained over the first, per arm."""
+    lines = [f"**Did {steps} steps help over {first}?** The measured answer, per arm (realized accepted length):"]
+    arms = [("design runs (mean over its points)", short.design_mean, long.design_mean)]
+    if recorded.reference:
+        arms.append(
+            (f"`{recorded.reference}` (reference, mean over its seeds)", short.reference_mean, long.reference_mean)
+        )
+    for name, before, after in arms:
+        if before is None or after is None:
+            continue
+        gain = unpaired_difference(after, before)
+        label = gain_label(gain, first, recorded.margin)
+        lines.append(f"- {name}: {before.text()} → {after.text()}, {gain.text(signed=True)}: {label}.")
+    return "\n".join(lines)
+
+
+def gain_label(gain: Estimate, first: int, margin: float) -> str:
+    """Whether the first budget had converged, as a longer budget measured it."""
+    if math.isnan(gain.low):
+        return "not measured (no interval)"
+    if gain.excludes_zero:
+        return f"not converged at {first} steps: the longer budget {'gains' if gain.value > 0 else 'loses'}"
+    if max(abs(gain.low), abs(gain.high)) < margin:
+        return f"converged at {first} steps within ±{margin:g}: the longer budget changes nothing beyond the margin"
+    return "not distinguishable: these runs cannot tell whether the longer budget helps"

@@ -115,12 +115,13 @@ def within_run(config: Configuration, metric: str) -> Estimate:
 
 def difference(a: Configuration, metric_a: str, b: Configuration, metric_b: str | None = None) -> Estimate:
     """a.metric_a - b.metric_b on the same documents: paired by document, and by seed where both ran the same
-    seeds; a configuration with several seeds that the other lacks adds its seed spread. `a is b` gives a
-    within-run difference (e.g. realized - unary)."""
+    seeds; otherwise each side's mean over all its seeds, with each side's seed spread (a reference arm run at
+    more seeds than a trial keeps its own spread). `a is b` gives a within-run difference (e.g. realized -
+    unary)."""
     metric_b = metric_b or metric_a
     if not (a.has(metric_a) and b.has(metric_b)):
         return NO_ESTIMATE
-    common = sorted(set(a.seeds) & set(b.seeds)) if a is not b else a.seeds
+    common = a.seeds if a is b or a.seeds == b.seeds else []
     seeds_a, seeds_b = (common, common) if common else (a.seeds, b.seeds)
     within = paired_difference(*a.pooled(metric_a, seeds_a), *b.pooled(metric_b, seeds_b))
     if common:

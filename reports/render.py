@@ -24,6 +24,7 @@ from algorithms.metrics import (
     UNARY_ACCEPTED_LENGTH,
     UNARY_CANDIDATE_RECALL,
     UNARY_CANDIDATE_TARGET_MASS,
+    UNARY_FULL_ACC,
 )
 from algorithms.registry import REFERENCE_ALGORITHM
 from harness import tracking
@@ -31,7 +32,14 @@ from harness.tracking import RunStatus
 from harness.uncertainty import Estimate, mean_estimate, unpaired_difference
 from harness.validation import per_position_rows, pooled_counts
 from reports.collect import TUNED_KNOBS, StudyRecord
-from reports.designed import curve_figure, curves_section, effects_section
+from reports.designed import (
+    curve_figure,
+    curves_section,
+    effects_section,
+    first_budget,
+    recorded_budgets,
+    transfer_section,
+)
 from reports.estimates import (
     Configuration,
     configurations,
@@ -130,7 +138,7 @@ def header(record: StudyRecord, configs: list[Configuration]) -> str:
         f"- **Data:** {data}",
         f"- **Objective:** {params.get('study.objectives', '–')} on the final validation; "
         f"sampler {params.get('study.sampler', '–')}, pruner {params.get('study.pruner', '–')}, "
-        f"{params.get('study.steps_per_trial', '–')} steps per run, seeds {params.get('study.seeds', '–')}",
+        f"{budget_text(record)}, seeds {params.get('study.seeds', '–')}",
         f"- **Validation:** {validation}",
         f"- **Runs:** {sum(trial_counts.values())} trials "
         f"({', '.join(f'{n} {s}' for s, n in sorted(trial_counts.items())) or 'none'}); "
@@ -151,6 +159,34 @@ def header(record: StudyRecord, configs: list[Configuration]) -> str:
         table(["knob", "value"], [[k, v] for k, v in pinned]),
     ]
     return "\n".join(lines)
+
+
+def budget_text(record: StudyRecord) -> str:
+    budgets = recorded_budgets(record)
+    if len(budgets) > 1:
+        return f"{budgets[0]} steps per run, and the design again at {', '.join(map(str, budgets[1:]))} steps"
+    return f"{record.parent['params'].get('study.steps_per_trial', '–')} steps per run"
+
+
+def regime(configs: list[Configuration], block_size: str) -> str | None:
+    """Where training stands: the reference arm's (else the best run's) unary top-1 accuracy and accepted length
+    against the floor and the ceiling, so that a verdict about learning speed is not read as one about trained
+    drafters."""
+    reference = [
+        c for c in configs if c.first["role"] == tracking.ROLE_BASELINE and c.first["baseline"] == REFERENCE_ALGORITHM
+    ]
+    chosen = reference[0] if reference else (configs[0] if configs else None)
+    if chosen is None:
+        return None
+    seeds = len(chosen.seeds)
+    who = f"`{REFERENCE_ALGORITHM}` (the reference)" if reference else f"the best run ({chosen.label})"
+    return (
+        f"**Regime.** {who} at {chosen.first.get('max_steps', '–')} steps ({seeds} seed{'s' * (seeds != 1)}): unary top-1 "
+        f"accuracy {estimate(chosen, UNARY_FULL_ACC).text()}, realized accepted length "
+        f"{estimate(chosen, REALIZED_ACCEPTED_LENGTH).text()}, where a drafter that is never accepted scores 1 (the "
+        f"anchor alone) and one always accepted scores {block_size} (the block). The verdicts below are about drafts "
+        "at this stage of training; they say which knobs learn faster here, not which make the better trained drafter."
+    )
 
 
 def leaderboard(configs: list[Configuration]) -> str:
@@ -486,9 +522,7 @@ def verdicts(configs: list[Configuration], resolved_knobs: list[str] | None, des
     ]
     if reference and selector:
         ahead = difference(selector[0], REALIZED_ACCEPTED_LENGTH, reference[0])
-        seeds = (
-            "paired by document and seed" if set(selector[0].seeds) & set(reference[0].seeds) else "paired by document"
-        )
+        seeds = "paired by document and seed" if selector[0].seeds == reference[0].seeds else "paired by document"
         lines.append(
             f"- {selector[0].label} − {REFERENCE_ALGORITHM} baseline, realized accepted length ({seeds}, mean over "
             f"seeds against mean over seeds): {verdict(ahead)}."
@@ -748,6 +782,7 @@ def render_with_summary(
     report's verdicts (each with its interval and label)."""
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
+    whole, record = record, first_budget(record)  # every section but the budget transfer: the first budget
     configs = study_configurations(record)
     written = set()
     for name, build in FIGURES.items():
@@ -761,7 +796,8 @@ def render_with_summary(
         written.add(name)
     trials = sum(1 for c in configs if c.first["role"] == tracking.ROLE_TRIAL)
     curves, budget = curves_section(record, "learning_curves.png" if "learning_curves.png" in written else None)
-    designed, designed_lines = effects_section(record, budget)
+    transfer, carried, _ = transfer_section(whole)
+    designed, designed_lines = effects_section(record, budget, carried)
     if designed is None:
         effects, resolved = knob_effects(
             configs, search_kinds(record), "knob_effects.png" if "knob_effects.png" in written else None
@@ -770,7 +806,8 @@ def render_with_summary(
     else:
         searched, resolved = [designed], None
     sections = [
-        header(record, configs),
+        header(whole, configs),
+        *filter(None, [regime(configs, record.parent["params"].get("pinned.shared.block_size", "the block size"))]),
         leaderboard(configs),
         *(
             ["![unary, realized and oracle accepted length per run](accepted_lengths.png)"]
@@ -779,11 +816,12 @@ def render_with_summary(
         ),
         *filter(None, [component_ablation(configs), noise_sources(configs), served_section(record)]),
         *searched,
+        *filter(None, [transfer]),
         curves,
         per_position(configs, "per_position.png" if "per_position.png" in written else None),
         verdict_section := verdicts(configs, resolved, designed_lines, budget),
-        problems(record),
-        *filter(None, [deleted_runs(record)]),
+        problems(whole),
+        *filter(None, [deleted_runs(whole)]),
     ]
     summary = designed_lines or [line for line in verdict_section.splitlines() if line.startswith("- ")]
     return "\n\n".join(sections) + "\n", summary[:MAX_SUMMARY_LINES]

@@ -60,6 +60,7 @@ CLAIM_POLL_S = 2.0  # how often a launcher waiting on another's baseline or pare
 PARENT_CLAIM = "parent-run"
 DESIGN_CLAIM = "design-points"  # the one launcher that enqueues a design's points
 NO_POINT_LEFT = "no design point left: another worker took the last one"
+BUDGET_PARAM = "budget"  # a design trial's step budget, among its Optuna params in a study with several budgets
 
 
 def make_sampler(definition: StudyDefinition, trials_so_far: int = 0) -> optuna.samplers.BaseSampler:
@@ -123,21 +124,30 @@ def finished_count(study: optuna.Study) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False, states=states) if t.number not in interrupted)
 
 
-def with_budget(definition: StudyDefinition, algorithm: AlgorithmConfig, seed: int | None = None) -> RunConfig:
-    """A run of the study: its data, target and training knobs at the study's step budget and `seed`."""
+def with_budget(
+    definition: StudyDefinition, algorithm: AlgorithmConfig, seed: int | None = None, steps: int | None = None
+) -> RunConfig:
+    """A run of the study: its data, target and training knobs at `steps` (default: the study's first step
+    budget) and `seed`."""
     base = definition.base
     train_config = dataclasses.replace(
-        base.train, max_steps=definition.steps_per_trial, seed=base.train.seed if seed is None else seed
+        base.train,
+        max_steps=definition.steps_per_trial if steps is None else steps,
+        seed=base.train.seed if seed is None else seed,
     )
     return RunConfig(algorithm, train_config, base.data, base.target)
+
+
+def design_point(params: dict) -> dict:
+    """A design trial's point: its params without the budget."""
+    return {k: v for k, v in params.items() if k != BUDGET_PARAM}
 
 
 def trial_config(definition: StudyDefinition, params: dict) -> RunConfig:
     """The base config with the sampler's knob values, or at a design point (which may switch components)."""
     if definition.design is not None:
-        return with_budget(
-            definition, with_design_point(definition.base.algorithm, params, definition.design.member_knobs)
-        )
+        algorithm = with_design_point(definition.base.algorithm, design_point(params), definition.design.member_knobs)
+        return with_budget(definition, algorithm, steps=params.get(BUDGET_PARAM))
     return with_budget(definition, definition.base.algorithm.replace(**params))
 
 
@@ -169,7 +179,12 @@ def enqueue_design(definition: StudyDefinition, study: optuna.Study, claims: Cla
     with claims.hold(DESIGN_CLAIM) as mine:
         if not mine:
             return
-        for index, point in enumerate(definition.design.points):
+        queued = [({}, definition.design.points)]
+        if definition.longer_budgets:  # every point names its budget; the longer ones run the longer design
+            queued = [({BUDGET_PARAM: definition.budgets[0]}, definition.design.points)]
+            queued += [({BUDGET_PARAM: steps}, definition.design.longer_points) for steps in definition.longer_budgets]
+        points = [{**point, **budget} for budget, group in queued for point in group]
+        for index, point in enumerate(points):
             study.enqueue_trial(point, user_attrs={ATTR_DESIGN_POINT: index}, skip_if_exists=True)
 
 
@@ -177,13 +192,13 @@ def waiting_count(study: optuna.Study) -> int:
     return len(study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,)))
 
 
-def baseline_config(definition: StudyDefinition, baseline: str, seed: int) -> RunConfig:
+def baseline_config(definition: StudyDefinition, baseline: str, seed: int, steps: int | None = None) -> RunConfig:
     """`NAME`: the base's knobs where NAME has them; `NAME_defaults`: NAME's published knobs. Shared knobs pinned."""
     name = baseline.removesuffix(PUBLISHED_SUFFIX)
     algorithm = definition.base.algorithm.with_algorithm(name)
     if baseline.endswith(PUBLISHED_SUFFIX):
         algorithm = AlgorithmConfig(name, algorithm.shared, algorithm.entry.knobs_class())
-    return with_budget(definition, algorithm, seed)
+    return with_budget(definition, algorithm, seed, steps)
 
 
 def trial_run_name(study: str, number: int, seed: int | None = None) -> str:
@@ -191,8 +206,9 @@ def trial_run_name(study: str, number: int, seed: int | None = None) -> str:
     return f"{study}-trial-{number}" + (f"-seed{seed}" if seed is not None else "")
 
 
-def baseline_run_name(study: str, baseline: str, seed: int) -> str:
-    return f"{study}-baseline-{baseline}-seed{seed}"
+def baseline_run_name(study: str, baseline: str, seed: int, longer_steps: int | None = None) -> str:
+    """`longer_steps` names a run at a longer budget than the study's first."""
+    return f"{study}-baseline-{baseline}-seed{seed}" + (f"-steps{longer_steps}" if longer_steps else "")
 
 
 @dataclass
@@ -235,26 +251,34 @@ class StudyRunner:
         A baseline another live launcher holds is left to it; with `wait`, this launcher waits until each is
         done, and takes over one whose holder died.
         """
-        pending = [(baseline, seed) for seed in self.definition.seeds for baseline in self.definition.baselines]
+        definition = self.definition
+        runs = [
+            (baseline, seed, steps)
+            for baseline in definition.baselines
+            for steps in definition.baseline_budgets(baseline)
+            for seed in definition.baseline_seeds(baseline)
+        ]
+        pending = sorted(runs, key=lambda run: (run[2], run[1]))  # the first budget first, seed by seed
         while True:
-            for baseline, seed in list(pending):
-                name = baseline_run_name(self.definition.name, baseline, seed)
+            for baseline, seed, steps in list(pending):
+                longer = steps if steps != definition.steps_per_trial else None
+                name = baseline_run_name(definition.name, baseline, seed, longer)
                 with self.claims.hold(name) as mine:
                     if mine:
-                        self._run_baseline(baseline, seed, name)
+                        self._run_baseline(baseline, seed, steps, name)
                 if self.claims.state(name) == ClaimState.DONE:
-                    pending.remove((baseline, seed))
+                    pending.remove((baseline, seed, steps))
             if not pending or not wait:
                 return
             time.sleep(CLAIM_POLL_S)
 
-    def _run_baseline(self, baseline: str, seed: int, name: str) -> None:
-        config = baseline_config(self.definition, baseline, seed)
+    def _run_baseline(self, baseline: str, seed: int, steps: int, name: str) -> None:
+        config = baseline_config(self.definition, baseline, seed, steps)
         knobs = dataclasses.asdict(config.algorithm.knobs)
-        print(f"[baseline] {baseline} seed {seed}: {config.algorithm.algorithm} {knobs}", flush=True)
+        print(f"[baseline] {baseline} seed {seed}, {steps} steps: {config.algorithm.algorithm} {knobs}", flush=True)
         tags = {tracking.TAG_BASELINE: baseline, tracking.TAG_ROLE: tracking.ROLE_BASELINE}
         result = self._run(config, name, tags)
-        print(f"[baseline] {baseline} seed {seed}: " + _summary(result.validation), flush=True)
+        print(f"[baseline] {baseline} seed {seed}, {steps} steps: " + _summary(result.validation), flush=True)
 
     def suggest(self, trial: optuna.Trial) -> dict:
         """The sampler's values for every dimension of the search space; a design trial's enqueued point."""
@@ -265,6 +289,8 @@ class StudyRunner:
                 raise optuna.TrialPruned(NO_POINT_LEFT)
             for factor, levels in self.definition.design.design.levels.items():
                 params[factor] = trial.suggest_categorical(factor, list(levels))
+            if self.definition.longer_budgets:
+                params[BUDGET_PARAM] = trial.suggest_categorical(BUDGET_PARAM, self.definition.budgets)
             return params
         for dim in self.definition.search_space:
             if dim.kind == "categorical":
@@ -281,7 +307,7 @@ class StudyRunner:
         config = trial_config(self.definition, params)
         tags = {tracking.TAG_TRIAL: str(trial.number), tracking.TAG_ROLE: tracking.ROLE_TRIAL}
         if self.definition.design is not None:
-            tags[tracking.TAG_DESIGN_POINT] = json.dumps(params, sort_keys=True)
+            tags[tracking.TAG_DESIGN_POINT] = json.dumps(design_point(params), sort_keys=True)
         try:
             draft_config(with_target_defaults(config, self.workspace.target).algorithm, self.workspace.target.spec)
         except ValueError as error:
@@ -318,6 +344,18 @@ class StudyRunner:
         summary = _summary({k: sum(r.validation[k] for r in results) / len(results) for k in shared})
         print(f"[trial {trial.number}] {summary} in {time.time() - started:.0f}s", flush=True)
         return values[0] if len(values) == 1 else values
+
+    def completed_at_first_budget(self) -> list[optuna.trial.FrozenTrial]:
+        """Completed trials at the study's first budget, among which the best is chosen: a longer budget's values
+        are about other drafts."""
+        first = self.definition.steps_per_trial
+        done = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        return [t for t in done if t.params.get(BUDGET_PARAM, first) == first]
+
+    def best_of(self, trials: list[optuna.trial.FrozenTrial]) -> optuna.trial.FrozenTrial:
+        """The best of single-objective `trials` in the objective's direction."""
+        pick = max if self.definition.directions[0] == "maximize" else min
+        return pick(trials, key=lambda t: t.value)
 
     def trial_run(self, number: int, seed: int) -> str:
         return trial_run_name(self.definition.name, number, seed if len(self.definition.seeds) > 1 else None)
@@ -412,9 +450,7 @@ class StudyRunner:
         """Opt-in: real speculative decoding for the best N completed trials, logged into their runs."""
         if not self.definition.evaluate_best or len(self.definition.objectives) > 1:
             return
-        done = sorted(
-            self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)), key=lambda t: -t.value
-        )
+        done = sorted(self.completed_at_first_budget(), key=lambda t: -t.value)
         for trial in done[: self.definition.evaluate_best]:
             if trial.number in self.study.user_attrs.get(ATTR_EVALUATED, []):
                 continue
@@ -440,10 +476,10 @@ class StudyRunner:
         from harness.serving import find_engine
 
         engine = find_engine()
-        done = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        done = self.completed_at_first_budget()
         names = []
         if done and len(self.definition.objectives) == 1:
-            best = max(done, key=lambda t: t.value)
+            best = self.best_of(done)
             names.append(self.trial_run(best.user_attrs.get(ATTR_ORIGIN, best.number), self.definition.seeds[0]))
         reference = self.definition.design.reference if self.definition.design else None
         if reference:
@@ -467,12 +503,12 @@ class StudyRunner:
             count = len(self.study.get_trials(deepcopy=False, states=(state,)))
             if count:
                 summary["trials"][state.name.lower()] = count
-        completed = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+        completed = self.completed_at_first_budget()
         client = tracking.client(self.workdir)
         logged = tracking.ChangedMetrics(client, self.parent_run_id)
         if completed:
             if len(self.definition.objectives) == 1:
-                best = self.study.best_trial
+                best = self.best_of(completed)
                 summary["best"] = {
                     "trial": best.number,
                     "value": best.value,
@@ -580,6 +616,9 @@ def _create_parent_run(definition: StudyDefinition, workdir: Path, experiment_id
                         "design_margin": definition.design.margin,
                         "design_interactions": definition.design.interactions,
                         "design_reference": definition.design.reference or "",
+                        "reference_seeds": ",".join(map(str, definition.design.reference_seeds)),
+                        "budgets": ",".join(map(str, definition.budgets)),
+                        "longer_design": json.dumps(definition.design.longer_spec, default=str),
                     }
                     if definition.design is not None
                     else {}

@@ -14,7 +14,7 @@ from algorithms.knobs import knob_names
 from algorithms.metrics import DRAFT_STEP_MS, REALIZED_ACCEPTED_LENGTH
 from algorithms.registry import COMPONENT_FACTORS, MEMBER_FACTOR, with_design_point
 from harness.config import EvalConfig, RunConfig, parse_yaml
-from harness.design import FACTORIAL, ONE_AT_A_TIME, Design, DesignError, design_from_spec
+from harness.design import FACTORIAL, ONE_AT_A_TIME, Design, DesignError, design_from_spec, longer_budget_spec
 
 OBJECTIVES = {REALIZED_ACCEPTED_LENGTH: "maximize", DRAFT_STEP_MS: "minimize"}
 DESIGN_SAMPLER = "design"  # a designed study's trials are its enqueued points, never sampled
@@ -82,10 +82,28 @@ class StudyDefinition:
     # How each run is launched, not what it trains: >1 makes every trial and baseline a torchrun job.
     nproc_per_node: int = 1
     design: StudyDesign | None = None  # a designed study: its points are the trials, in a fixed order
+    # Step budgets, shortest first: the first is `steps_per_trial`; a design runs again at each longer one.
+    budgets: list[int] = field(default_factory=list)
 
     @property
     def directions(self) -> list[str]:
         return [OBJECTIVES[o] for o in self.objectives]
+
+    @property
+    def longer_budgets(self) -> list[int]:
+        return self.budgets[1:]
+
+    def baseline_seeds(self, baseline: str) -> list[int]:
+        """The seeds a baseline runs: the reference arm's own (at least two), else the study's."""
+        if self.design is not None and baseline == self.design.reference:
+            return self.design.reference_seeds
+        return self.seeds
+
+    def baseline_budgets(self, baseline: str) -> list[int]:
+        """The budgets a baseline runs at: the reference arm at every budget, other baselines at the first."""
+        if self.design is not None and baseline == self.design.reference:
+            return self.budgets
+        return self.budgets[:1]
 
 
 @dataclass
@@ -99,10 +117,16 @@ class StudyDesign:
     reference: str | None = None  # a baseline whose runs join the fit as the reference arm
     # A member design's knobs of members other than the base (its `base.knobs` that the base lacks)
     member_knobs: dict[str, Any] = field(default_factory=dict)
+    reference_seeds: list[int] = field(default_factory=list)  # the reference arm's seeds (its own variance)
+    longer_spec: dict[str, Any] = field(default_factory=dict)  # the design the longer budgets run
 
     @property
     def points(self) -> list[dict[str, Any]]:
         return self.design.points()
+
+    @property
+    def longer_points(self) -> list[dict[str, Any]]:
+        return design_from_spec(self.longer_spec).points()
 
 
 class Section(BaseModel):
@@ -164,6 +188,15 @@ class DesignSection(Section):
     interactions: Literal["auto"] | bool = "auto"
     margin: float = Field(DEFAULT_MARGIN, gt=0, description="the bounded label's margin, accepted tokens")
     reference: str | None = Field(None, description="a baseline whose runs join the fit as the reference arm")
+    reference_seeds: list[Annotated[int, Field(ge=0, lt=2**32)]] | None = Field(
+        None, description="the reference arm's seeds, at least two (default: the study's seeds)"
+    )
+    longer_fraction: int | None = Field(
+        None,
+        ge=0,
+        description="a factorial's p at the longer budgets: the standard 2^(k-p) fraction, resolution III allowed "
+        "(default: the same points as the first budget)",
+    )
 
 
 class StudyFile(Section):
@@ -180,6 +213,12 @@ class StudyFile(Section):
     pruner: PrunerSection | None = None
     objective: str | list[str] = REALIZED_ACCEPTED_LENGTH
     budget: BudgetSection = Field(default_factory=BudgetSection)
+    budgets: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None,
+        min_length=1,
+        description="step budgets, shortest first: the first is every run's; a design and its reference arm run "
+        "again at each longer one, and the report labels how each verdict carried",
+    )
     baselines: list[str] = Field(default_factory=lambda: list(DEFAULT_BASELINES))
     seeds: list[Annotated[int, Field(ge=0, lt=2**32)]] | None = Field(None, min_length=1)
     evaluate: EvaluateSection = Field(default_factory=EvaluateSection)
@@ -304,6 +343,7 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
         raise _fail(path, "objective", file.objective, f"one or a list of distinct {sorted(OBJECTIVES)}")
     budget = file.budget
     steps = budget.steps_per_trial if budget.steps_per_trial is not None else run.train.max_steps
+    budgets = _budgets(path, file, steps, design)
     if any(b not in BASELINES for b in file.baselines):
         raise _fail(path, "baselines", file.baselines, f"a list from {list(BASELINES)}")
     if design is not None and design.reference is not None and design.reference not in file.baselines:
@@ -311,6 +351,8 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
     seeds = file.seeds if file.seeds is not None else [run.train.seed]
     if len(set(seeds)) != len(seeds):
         raise _fail(path, "seeds", seeds, "a non-empty list of distinct integers in [0, 2**32)")
+    if design is not None and design.reference is not None:
+        design.reference_seeds = _reference_seeds(path, file.design.reference_seeds or seeds)
     if sampler.type == "grid":
         for dimension in dimensions:
             dimension.grid_values()
@@ -324,7 +366,9 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
         pruner=pruner.type if design is None else "none",
         pruner_warmup_steps=pruner.warmup_steps,
         objectives=objectives,
-        n_trials=budget.n_trials if design is None else len(design.points),
+        n_trials=budget.n_trials
+        if design is None
+        else len(design.points) + len(budgets[1:]) * len(design.longer_points),
         timeout_s=budget.timeout_s,
         steps_per_trial=steps,
         baselines=file.baselines,
@@ -340,7 +384,35 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
         ),
         nproc_per_node=nproc_per_node,
         design=design,
+        budgets=budgets,
     )
+
+
+def _budgets(path: str, file: StudyFile, steps: int, design: StudyDesign | None) -> list[int]:
+    """`budgets:`, shortest first; its first is every run's budget, so `budget.steps_per_trial` may only agree."""
+    if file.budgets is None:
+        return [steps]
+    budgets = file.budgets
+    if any(later <= earlier for earlier, later in zip(budgets, budgets[1:], strict=False)):
+        raise _fail(path, "budgets", budgets, "step budgets in increasing order, each once")
+    if file.budget.steps_per_trial is not None and file.budget.steps_per_trial != budgets[0]:
+        raise _fail(
+            path, "budget.steps_per_trial", file.budget.steps_per_trial, f"absent, or the first of budgets {budgets}"
+        )
+    if len(budgets) > 1 and design is None:
+        raise _fail(path, "budgets", budgets, "one budget without a design (a longer budget re-runs a design)")
+    return list(budgets)
+
+
+def _reference_seeds(path: str, seeds: list[int]) -> list[int]:
+    if len(seeds) < 2 or len(set(seeds)) != len(seeds):
+        raise _fail(
+            path,
+            "design.reference_seeds",
+            seeds,
+            "at least two distinct seeds (the reference arm's own training noise; default: the study's seeds)",
+        )
+    return list(seeds)
 
 
 def _split_member_knobs(path: str, file: StudyFile) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -390,7 +462,23 @@ def _design(
             with_design_point(run.algorithm, point, member_knobs).validate()
         except (TypeError, ValueError) as error:
             raise StudyDefinitionError(f"{path}: design point {point}: {error}") from None
-    return StudyDesign(spec, design, section.interactions, section.margin, section.reference, member_knobs)
+    if section.longer_fraction is not None and (section.type != FACTORIAL or section.generators):
+        raise _fail(
+            path, "design.longer_fraction", section.longer_fraction, "only with a factorial of standard generators"
+        )
+    longer = longer_budget_spec(spec, section.longer_fraction)
+    try:
+        longer_points = design_from_spec(longer).points()
+    except DesignError as error:
+        raise StudyDefinitionError(f"{path}: invalid field design.longer_fraction: {error}") from None
+    for point in longer_points:
+        try:
+            with_design_point(run.algorithm, point, member_knobs).validate()
+        except (TypeError, ValueError) as error:
+            raise StudyDefinitionError(f"{path}: longer-budget design point {point}: {error}") from None
+    study_design = StudyDesign(spec, design, section.interactions, section.margin, section.reference, member_knobs)
+    study_design.longer_spec = longer
+    return study_design
 
 
 def load_study(path: Path) -> StudyDefinition:

@@ -9,13 +9,21 @@ from scipy import stats
 from harness.design import FactorialDesign, OneAtATimeDesign
 from harness.uncertainty import Estimate, ratio_estimate
 from reports.effects import (
+    APPEARED,
     ARM,
     BOUNDED,
+    GREW,
+    HELD,
+    INCONCLUSIVE,
     NOT_DISTINGUISHABLE,
     RESOLVED,
+    REVERSED,
+    SHRANK,
+    Effect,
     Unit,
     fit_design,
     label,
+    transfer_label,
 )
 
 FIVE = FactorialDesign.standard({name: (0, 1) for name in "ABCDE"}, fraction=1)
@@ -33,8 +41,9 @@ def simulate_run(rng, mean, difficulty, sizes, seed_sd, doc_sd):
     return estimate.value, estimate.se
 
 
-def simulate_study(rng, seeds=1, references=3, seed_sd=0.06, doc_sd=0.35):
-    """The 2^(5-1) design on `seeds` seeds plus `references` reference runs, on shared documents."""
+def simulate_study(rng, seeds=1, references=3, seed_sd=0.06, doc_sd=0.35, reference_sd=None):
+    """The 2^(5-1) design on `seeds` seeds plus `references` reference runs (training noise `reference_sd`,
+    by default the design's), on shared documents."""
     difficulty = rng.normal(0, 0.3, DOCUMENTS)  # every run meets the same documents
     sizes = rng.integers(4, 30, DOCUMENTS).astype(float)
     units = []
@@ -43,7 +52,8 @@ def simulate_study(rng, seeds=1, references=3, seed_sd=0.06, doc_sd=0.35):
         for _ in range(seeds):
             units.append(Unit(point, *simulate_run(rng, mean, difficulty, sizes, seed_sd, doc_sd)))
     for _ in range(references):
-        units.append(Unit(None, *simulate_run(rng, 1.2, difficulty, sizes, seed_sd, doc_sd)))
+        noise = seed_sd if reference_sd is None else reference_sd
+        units.append(Unit(None, *simulate_run(rng, 1.2, difficulty, sizes, noise, doc_sd)))
     return units
 
 
@@ -53,7 +63,7 @@ def test_intervals_cover_the_true_effects_95_percent_of_the_time():
     truth = {**TRUE_EFFECTS, ARM: ARM_EFFECT}
     for _ in range(simulations):
         fit = fit_design(FIVE, simulate_study(rng), margin=0.05, interactions=False)
-        assert fit.residual_dof == 19 - 7
+        assert fit.residual_dof == 16 - 6
         for effect in fit.effects:
             covered += effect.estimate.low <= truth[effect.term] <= effect.estimate.high
             total += 1
@@ -75,6 +85,46 @@ def test_heterogeneous_measurement_noise_keeps_coverage():
             covered += effect.estimate.low <= truth <= effect.estimate.high
             total += 1
     assert 0.92 <= covered / total <= 0.98
+
+
+def test_the_reference_arm_carries_its_own_training_noise():
+    """A reference that trains far noisier than the design (DFlash against DFlash2 at 200 steps): design −
+    reference must still cover at 95%. Borrowing the design's residual would cover about half the time."""
+    rng = np.random.default_rng(17)
+    covered, widths = 0, []
+    for _ in range(400):
+        units = simulate_study(rng, references=3, seed_sd=0.02, doc_sd=0.05, reference_sd=0.25)
+        fit = fit_design(FIVE, units, margin=0.05, interactions=False)
+        arm = next(e for e in fit.effects if e.term == ARM)
+        covered += arm.estimate.low <= ARM_EFFECT <= arm.estimate.high
+        widths.append(arm.estimate.high - arm.estimate.low)
+        assert fit.reference_noise.runs == 3 and fit.design_noise.runs == 16
+    assert 0.92 <= covered / 400 <= 0.995
+    # The interval is as wide as the reference's spread makes it: t(2) * 0.25 / sqrt(3) either side, at least.
+    assert float(np.median(widths)) > 2 * stats.t.ppf(0.975, 2) * 0.25 / math.sqrt(3) * 0.7
+
+
+def test_a_reference_arm_of_one_run_gets_no_interval():
+    rng = np.random.default_rng(2)
+    fit = fit_design(FIVE, simulate_study(rng, references=1), margin=0.05, interactions=False)
+    arm = next(e for e in fit.effects if e.term == ARM)
+    assert math.isnan(arm.estimate.low) and arm.label == NOT_DISTINGUISHABLE
+    assert all(not math.isnan(e.estimate.low) for e in fit.effects if e.term != ARM)
+
+
+def test_hand_computed_reference_arm():
+    """Design mean 1.5 (equal runs around it), reference 1.0, 1.2, 1.1: sample sd 0.1, se 0.1 / sqrt(3)."""
+    design = FactorialDesign({"a": (0, 1)})
+    units = [Unit({"a": level}, 1.5 + delta, 0.0) for level in (0, 1) for delta in (-0.01, 0.01)]
+    units += [Unit(None, value, 0.01) for value in (1.0, 1.2, 1.1)]
+    fit = fit_design(design, units, margin=0.05, interactions=False)
+    arm = fit.effects[0]
+    assert arm.term == ARM and arm.estimate.value == pytest.approx(0.4)
+    design_se = math.sqrt(0.0004 / 2 / 4)  # residual variance 0.0004 on 2 df over 4 runs
+    se = math.hypot(design_se, 0.1 / math.sqrt(3))
+    assert arm.estimate.se == pytest.approx(se, rel=1e-6)
+    assert fit.reference_noise.spread == pytest.approx(0.1) and fit.reference_noise.within_se == pytest.approx(0.01)
+    assert fit.reference_noise.between == pytest.approx(math.sqrt(0.01 - 0.0001))
 
 
 def test_power_matches_the_noncentral_t_and_the_stated_detectable_effect():
@@ -166,3 +216,34 @@ def test_a_design_missing_a_point_estimates_nothing():
     units = [Unit({"conv": c, "selector": "off"}, v, 0.01) for c in ("off", "on") for v in (1.0, 1.4)]
     fit = fit_design(design, units, margin=0.05, interactions=False)
     assert fit.effects == [] and "not every design point" in fit.note
+
+
+def effect_at(value: float, se: float, dof: int = 10, margin: float = 0.05) -> Effect:
+    """An effect as a fit states it: a t interval on `dof` residual degrees of freedom, and its label."""
+    half = stats.t.ppf(0.975, dof) * se
+    estimate = Estimate(value, se, value - half, value + half, dof + 1)
+    kind, bound = label(estimate, margin)
+    return Effect("A", estimate, kind, bound, float("nan"))
+
+
+@pytest.mark.parametrize(
+    "short, long, expected",
+    [
+        ((0.15, 0.02), (0.17, 0.02), HELD),  # resolved at both, change +0.02 not resolved
+        ((0.0, 0.01), (0.01, 0.01), HELD),  # bounded at both
+        ((0.15, 0.02), (-0.12, 0.02), REVERSED),
+        ((0.01, 0.03), (0.20, 0.03), APPEARED),  # not distinguishable, then resolved
+        ((0.00, 0.01), (0.20, 0.03), APPEARED),  # bounded, then resolved
+        ((0.10, 0.01), (0.40, 0.02), GREW),
+        ((-0.10, 0.01), (-0.40, 0.02), GREW),  # larger in size, in the effect's own direction
+        ((0.40, 0.02), (0.10, 0.01), SHRANK),
+        ((0.15, 0.02), (0.00, 0.01), SHRANK),  # resolved, then bounded
+        ((0.15, 0.02), (0.05, 0.06), INCONCLUSIVE),  # the longer budget's interval is too wide to tell
+        ((0.01, 0.05), (0.02, 0.05), INCONCLUSIVE),
+    ],
+)
+def test_transfer_labels_on_constructed_cases(short, long, expected):
+    found, change = transfer_label(effect_at(*short), effect_at(*long))
+    assert found == expected
+    assert change.value == pytest.approx(long[0] - short[0])
+    assert change.se == pytest.approx(math.hypot(short[1], long[1]))
