@@ -34,6 +34,7 @@ from harness.uncertainty import CONFIDENCE, Estimate, t_interval, unpaired_diffe
 RESOLVED, BOUNDED, NOT_DISTINGUISHABLE = "resolved", "bounded", "not distinguishable"
 ARM = "arm"
 POWER = 0.8  # the power at which the report states the smallest effect a design would resolve
+EXACT = 1e-9  # below this, a fitted effect and its standard error are floating-point rounding of zero
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ def label(estimate: Estimate, margin: float) -> tuple[str, float]:
     """resolved when the interval excludes 0; bounded when it lies inside ±margin; else not distinguishable."""
     if math.isnan(estimate.low):
         return NOT_DISTINGUISHABLE, float("nan")
+    if estimate.se < EXACT and abs(estimate.value) < EXACT:  # identical runs: rounding, not an effect
+        return (BOUNDED if margin > 0 else NOT_DISTINGUISHABLE), 0.0
     bound = max(abs(estimate.low), abs(estimate.high))
     if estimate.excludes_zero:
         return RESOLVED, bound

@@ -370,7 +370,7 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
         if design is None
         else len(design.points) + len(budgets[1:]) * len(design.longer_points),
         timeout_s=budget.timeout_s,
-        steps_per_trial=steps,
+        steps_per_trial=budgets[0],
         baselines=file.baselines,
         seeds=seeds,
         description=file.description,

@@ -247,3 +247,13 @@ def test_transfer_labels_on_constructed_cases(short, long, expected):
     assert found == expected
     assert change.value == pytest.approx(long[0] - short[0])
     assert change.se == pytest.approx(math.hypot(short[1], long[1]))
+
+
+def test_identical_runs_resolve_nothing():
+    """Every run at 1.000 (nothing accepted yet): the fit's rounding leaves ~1e-17 with a ~1e-17 interval, which
+    must read as bounded, not as a resolved effect."""
+    design = FactorialDesign({"a": (0, 1)})
+    units = [Unit({"a": level}, 1.0, 0.0) for level in (0, 1) for _ in range(2)]
+    estimate = Estimate(1e-17, 1e-18, 5e-18, 2e-17, 3)
+    assert label(estimate, margin=0.05)[0] == BOUNDED
+    assert all(e.label == BOUNDED for e in fit_design(design, units, 0.05, False).effects)
