@@ -38,6 +38,19 @@ STANDARD_GENERATORS: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {
 
 Word = frozenset[str]  # a product of factors; the empty word is the identity I
 
+HELD, REVERSED, GREW, SHRANK, APPEARED, INCONCLUSIVE = "held", "reversed", "grew", "shrank", "appeared", "inconclusive"
+# How a design's verdict carried from a short step budget to a longer one (reports.effects.transfer_label),
+# and what each label says; study files cite them for a transfer measured elsewhere.
+TRANSFER_MEANINGS = {
+    HELD: "the same verdict at both budgets: resolved with the same sign and no resolved change in size, or "
+    "bounded at both",
+    REVERSED: "resolved at both budgets with opposite signs",
+    GREW: "resolved at both with the same sign, and larger at the longer budget by a resolved amount",
+    SHRANK: "resolved at the short budget, and at the longer one smaller by a resolved amount or bounded",
+    APPEARED: "not resolved at the short budget, resolved at the longer one",
+    INCONCLUSIVE: "neither of the above can be told apart from noise at these run counts",
+}
+
 
 class DesignError(ValueError):
     """A design that cannot be built or that aliases what it must keep apart."""

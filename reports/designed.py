@@ -17,11 +17,11 @@ import pandas as pd
 
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH, se_name
 from harness import tracking
-from harness.design import FACTORIAL, Design, design_from_spec
+from harness.design import FACTORIAL, TRANSFER_MEANINGS, Design, design_from_spec
 from harness.uncertainty import Estimate, mean_estimate, ratio_estimate, t_interval, unpaired_difference
 from harness.validation import SUBSET_ROWS, pairs
 from reports.collect import StudyRecord
-from reports.effects import ARM, TRANSFER_MEANINGS, Effect, Fit, Unit, fit_design, transfer_label
+from reports.effects import ARM, Effect, Fit, Unit, fit_design, transfer_label
 
 MIN_RESIDUAL_DOF = 4  # `interactions: auto` fits the resolved 2FIs only while this many residual df remain
 LAST_PART = 1 / 3  # the learning-curve gain is measured over the last third of training
@@ -37,6 +37,7 @@ class RecordedDesign:
     reference: str
     budgets: list[int]  # shortest first; [] where the store has no step budget
     longer: Design  # the design the longer budgets ran (the same one unless a fraction of it)
+    transfer_measured: dict  # a one-budget design's transfer measured by another study: steps, source, labels
 
 
 def recorded_budgets(record: StudyRecord) -> list[int]:
@@ -73,6 +74,7 @@ def recorded_design(record: StudyRecord) -> RecordedDesign | None:
         params.get("study.design_reference", ""),
         recorded_budgets(record),
         design_from_spec(longer),
+        spec.get("transfer_measured") or {},
     )
 
 
@@ -166,6 +168,13 @@ def effects_section(
     parts.append(table_markdown([f"effect ({difference})", "estimate [95% interval]", "label", "detectable"], rows))
     if fit.reference_noise is not None:
         parts.append(noise_by_arm(fit, recorded.reference))
+    measured = recorded.transfer_measured
+    if not carried and measured:
+        parts.append(measured_transfer_text(measured, recorded.reference))
+        carried = {
+            term: f"; at {measured['steps']} steps {found} (measured separately: {measured['source']})"
+            for term, found in measured["labels"].items()
+        }
     carried = carried or {}
     lines = [
         f"- {term_label(e.term, recorded.reference)}: {e.text()} ({dof_text(e, fit)}){improving}"
@@ -173,6 +182,16 @@ def effects_section(
         for e in fit.effects
     ]
     return "\n\n".join(parts), lines
+
+
+def measured_transfer_text(measured: dict, reference: str) -> str:
+    """The transfer this one-budget design cites: measured by another study, at another time, maybe elsewhere."""
+    lines = [f"- {term_label(term, reference)}: *{found}*" for term, found in measured["labels"].items()]
+    return (
+        f"**At {measured['steps']} steps.** This study runs one budget. The same design at {measured['steps']} steps "
+        f"was measured by another study, published in `{measured['source']}` (its machine and date are there; "
+        "it is cited by the study file, not recomputed from this store):\n\n" + "\n".join(lines)
+    )
 
 
 def dof_text(effect: Effect, fit: Fit) -> str:

@@ -28,7 +28,7 @@ import numpy as np
 import statsmodels.api as sm
 from scipy import stats
 
-from harness.design import Design, FactorialDesign, Term
+from harness.design import APPEARED, GREW, HELD, INCONCLUSIVE, REVERSED, SHRANK, Design, FactorialDesign, Term
 from harness.uncertainty import CONFIDENCE, Estimate, t_interval, unpaired_difference, welch_dof
 
 RESOLVED, BOUNDED, NOT_DISTINGUISHABLE = "resolved", "bounded", "not distinguishable"
@@ -176,19 +176,6 @@ def arm_effect(difference: Estimate, dof: float, margin: float) -> Effect:
         return Effect(ARM, difference, kind, bound, float("nan"))
     t_crit = (difference.high - difference.value) / difference.se
     return Effect(ARM, difference, kind, bound, (t_crit + float(stats.t.ppf(POWER, dof))) * difference.se)
-
-
-HELD, REVERSED, GREW, SHRANK, APPEARED, INCONCLUSIVE = "held", "reversed", "grew", "shrank", "appeared", "inconclusive"
-# What each transfer label says about an effect measured at a short budget and again at a longer one.
-TRANSFER_MEANINGS = {
-    HELD: "the same verdict at both budgets: resolved with the same sign and no resolved change in size, or "
-    "bounded at both",
-    REVERSED: "resolved at both budgets with opposite signs",
-    GREW: "resolved at both with the same sign, and larger at the longer budget by a resolved amount",
-    SHRANK: "resolved at the short budget, and at the longer one smaller by a resolved amount or bounded",
-    APPEARED: "not resolved at the short budget, resolved at the longer one",
-    INCONCLUSIVE: "neither of the above can be told apart from noise at these run counts",
-}
 
 
 def transfer_label(short: Effect, long: Effect) -> tuple[str, Estimate]:

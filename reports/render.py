@@ -180,8 +180,10 @@ def regime(configs: list[Configuration], block_size: str) -> str | None:
         return None
     seeds = len(chosen.seeds)
     who = f"`{REFERENCE_ALGORITHM}` (the reference)" if reference else f"the best run ({chosen.label})"
+    steps = chosen.first.get("max_steps", float("nan"))
+    steps = f"{steps:.0f}" if isinstance(steps, (int, float)) and math.isfinite(steps) else "–"
     return (
-        f"**Regime.** {who} at {chosen.first.get('max_steps', '–')} steps ({seeds} seed{'s' * (seeds != 1)}): unary top-1 "
+        f"**Regime.** {who} at {steps} steps ({seeds} seed{'s' * (seeds != 1)}): unary top-1 "
         f"accuracy {estimate(chosen, UNARY_FULL_ACC).text()}, realized accepted length "
         f"{estimate(chosen, REALIZED_ACCEPTED_LENGTH).text()}, where a drafter that is never accepted scores 1 (the "
         f"anchor alone) and one always accepted scores {block_size} (the block). The verdicts below are about drafts "

@@ -14,7 +14,15 @@ from algorithms.knobs import knob_names
 from algorithms.metrics import DRAFT_STEP_MS, REALIZED_ACCEPTED_LENGTH
 from algorithms.registry import COMPONENT_FACTORS, MEMBER_FACTOR, with_design_point
 from harness.config import EvalConfig, RunConfig, parse_yaml
-from harness.design import FACTORIAL, ONE_AT_A_TIME, Design, DesignError, design_from_spec, longer_budget_spec
+from harness.design import (
+    FACTORIAL,
+    ONE_AT_A_TIME,
+    TRANSFER_MEANINGS,
+    Design,
+    DesignError,
+    design_from_spec,
+    longer_budget_spec,
+)
 
 OBJECTIVES = {REALIZED_ACCEPTED_LENGTH: "maximize", DRAFT_STEP_MS: "minimize"}
 DESIGN_SAMPLER = "design"  # a designed study's trials are its enqueued points, never sampled
@@ -179,6 +187,16 @@ class EvaluateSection(Section):
     )
 
 
+class TransferMeasuredSection(Section):
+    """How this design's verdicts carried to a longer budget, measured by another study and published."""
+
+    steps: int = Field(ge=1, description="the longer budget it was measured at")
+    source: str = Field(min_length=1, description="where the measurement is published (a repository path)")
+    labels: dict[str, str] = Field(
+        min_length=1, description=f"effect (a factor, or `arm`) -> its transfer label, one of {list(TRANSFER_MEANINGS)}"
+    )
+
+
 class DesignSection(Section):
     type: Literal["factorial", "one_at_a_time"]
     factors: dict[str, list[Any]] = Field(min_length=1, description="factor -> its levels (two in a factorial)")
@@ -196,6 +214,9 @@ class DesignSection(Section):
         ge=0,
         description="a factorial's p at the longer budgets: the standard 2^(k-p) fraction, resolution III allowed "
         "(default: the same points as the first budget)",
+    )
+    transfer_measured: TransferMeasuredSection | None = Field(
+        None, description="a one-budget design's transfer to a longer budget, measured elsewhere; the report cites it"
     )
 
 
@@ -233,6 +254,7 @@ SECTIONS: dict[tuple, type[Section]] = {
     ("budget",): BudgetSection,
     ("evaluate",): EvaluateSection,
     ("design",): DesignSection,
+    ("design", "transfer_measured"): TransferMeasuredSection,
 }
 
 
@@ -466,6 +488,8 @@ def _design(
         raise _fail(
             path, "design.longer_fraction", section.longer_fraction, "only with a factorial of standard generators"
         )
+    if section.transfer_measured is not None:
+        _check_transfer_labels(path, section)
     longer = longer_budget_spec(spec, section.longer_fraction)
     try:
         longer_points = design_from_spec(longer).points()
@@ -479,6 +503,16 @@ def _design(
     study_design = StudyDesign(spec, design, section.interactions, section.margin, section.reference, member_knobs)
     study_design.longer_spec = longer
     return study_design
+
+
+def _check_transfer_labels(path: str, section: DesignSection) -> None:
+    effects = [*section.factors, *(["arm"] if section.reference else [])]
+    for effect, found in section.transfer_measured.labels.items():
+        where = f"design.transfer_measured.labels.{effect}"
+        if effect not in effects:
+            raise _fail(path, "design.transfer_measured.labels", effect, f"effects from {effects}")
+        if found not in TRANSFER_MEANINGS:
+            raise _fail(path, where, found, f"one of {list(TRANSFER_MEANINGS)}")
 
 
 def load_study(path: Path) -> StudyDefinition:

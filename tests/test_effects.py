@@ -6,19 +6,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from harness.design import FactorialDesign, OneAtATimeDesign
+from harness.design import APPEARED, GREW, HELD, INCONCLUSIVE, REVERSED, SHRANK, FactorialDesign, OneAtATimeDesign
 from harness.uncertainty import Estimate, ratio_estimate
 from reports.effects import (
-    APPEARED,
     ARM,
     BOUNDED,
-    GREW,
-    HELD,
-    INCONCLUSIVE,
     NOT_DISTINGUISHABLE,
     RESOLVED,
-    REVERSED,
-    SHRANK,
     Effect,
     Unit,
     fit_design,

@@ -1,5 +1,8 @@
 """Reports rendered from recorded runs (no MLflow needed): verdicts with intervals, noise called noise."""
 
+import json
+import math
+import re
 import zlib
 
 import numpy as np
@@ -246,3 +249,37 @@ def test_a_served_run_gets_its_column_and_its_agreement_line(tmp_path):
     assert plain[0]["run_name"] not in section  # only runs an engine served
     without = render(_record([_run("dflash", 0, 1.10, 1.10, 1.50)]), tmp_path)
     assert "## Served" not in without and "served (llama.cpp)" not in without
+
+
+def test_a_reference_arm_keeps_its_seed_spread_and_a_cited_transfer_reaches_the_verdicts(tmp_path):
+    """The component design plus DFlash at three seeds, one budget, citing a transfer measured elsewhere: the
+    regime line, each arm's noise, the Welch arm difference, and the cited label on each verdict it names."""
+    record = _designed_record(conv_effect=0.2, selector_effect=0.0, rising=False)
+    spread = [1.00, 1.06, 1.12]  # DFlash's seeds: sd 0.06, far above the design's 0.01
+    runs = [_run("dflash", seed, value - 0.05, value, value + 0.3) for seed, value in enumerate(spread)]
+    for row, frame in runs:
+        row["wall_s"], row["max_steps"] = 60.0, 60
+        record.documents[row["run_id"]] = frame
+    record.runs = pd.concat([record.runs, pd.DataFrame([row for row, _ in runs])], ignore_index=True)
+    cited = {"steps": 240, "source": "benchmarks/BUDGET_TRANSFER.md", "labels": {"conv": "held", "arm": "grew"}}
+    spec = {"type": "factorial", "factors": {"conv": [False, True], "selector": [False, True]}}
+    record.parent["params"] |= {
+        "study.design": json.dumps({**spec, "transfer_measured": cited}),
+        "study.design_reference": "dflash",
+        "study.steps_per_trial": "60",
+    }
+    markdown = render(record, tmp_path)
+    assert "**Regime.** `dflash` (the reference) at 60 steps (3 seeds): unary top-1 accuracy" in markdown
+    noise = markdown.split("**Training noise by arm.**")[1].split("\n\n")[1]
+    reference_row = next(line for line in noise.splitlines() if line.startswith("| `dflash` (reference)"))
+    runs_cell, spread_cell = reference_row.split("|")[2:4]
+    assert runs_cell.strip() == "3" and spread_cell.strip().endswith("(between its seeds)")
+    assert 0.05 < float(spread_cell.split()[0]) < 0.075  # the seeds' 0.06, plus each run's anchor noise
+    assert "**At 240 steps.** This study runs one budget." in markdown and "`benchmarks/BUDGET_TRANSFER.md`" in markdown
+    arm = _verdict_line(markdown, "- design runs (mean over its points) − `dflash`")
+    assert "(Welch, 3 reference runs), at 60 steps; at 240 steps grew (measured separately: " in arm
+    # The interval holds DFlash's seed spread: at least t(2) * 0.06 / sqrt(3) either side.
+    low, high = (float(x) for x in re.search(r"\[([-+0-9.]+), ([-+0-9.]+)\]", arm).groups())
+    assert high - low > 2 * 4.30 * 0.06 / math.sqrt(3) * 0.95
+    assert "at 240 steps held (measured separately" in _verdict_line(markdown, "- `conv`:")
+    assert "at 240 steps" not in _verdict_line(markdown, "- `selector`:")

@@ -18,6 +18,7 @@ import pytest
 from scipy import stats
 
 from harness import tracking
+from harness.design import TRANSFER_MEANINGS
 from harness.devices import computes_in
 from reports.render import GENERATED_PREFIX
 from studies.storage import ATTR_INFEASIBLE, ATTR_RUN_ID, ATTR_WORKER, storage_url
@@ -728,3 +729,48 @@ def test_deleted_runs_are_named_in_the_report_and_a_deleted_parent_refuses_a_rel
         assert (
             "its MLflow parent run" in lines[-1] and "was deleted" in lines[-1] and "mlflow runs restore" in lines[-1]
         )
+
+
+BUDGETS = Path(__file__).parent / "data" / "tiny_budgets.yaml"
+
+
+def test_a_design_at_two_budgets_labels_how_each_verdict_carried(e2e_workspace, e2e_workdir, tmp_path):
+    """The tiny design at 4 and 8 steps with DFlash at two seeds: every point and reference run trains once at
+    each budget (its budget is its train.max_steps param), the report's sections read the first budget, its
+    transfer table and the parent run's tags carry the same labels, and a relaunch trains nothing."""
+    done = _launch(BUDGETS, e2e_workdir, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
+    experiment = client.get_experiment_by_name("dflash-lab/tiny-budgets").experiment_id
+    runs = client.search_runs([experiment])
+    children = [r for r in runs if r.data.tags[tracking.TAG_ROLE] in (tracking.ROLE_TRIAL, tracking.ROLE_BASELINE)]
+    counts = {}
+    for run in children:
+        key = (run.data.tags[tracking.TAG_ROLE], run.data.params["train.max_steps"])
+        counts[key] = counts.get(key, 0) + 1
+    assert counts == {("trial", "4"): 4, ("trial", "8"): 4, ("baseline", "4"): 2, ("baseline", "8"): 2}
+    baselines = sorted(r.info.run_name for r in children if r.data.tags[tracking.TAG_ROLE] == tracking.ROLE_BASELINE)
+    assert baselines == [f"tiny-budgets-baseline-dflash-seed{s}{suffix}" for s in (0, 1) for suffix in ("", "-steps8")]
+    parent = next(r for r in runs if r.data.tags[tracking.TAG_ROLE] == tracking.ROLE_STUDY)
+    assert parent.data.params["study.budgets"] == "4,8" and parent.data.params["study.reference_seeds"] == "0,1"
+    tags = {k: v for k, v in parent.data.tags.items() if k.startswith(tracking.TRANSFER_TAG_PREFIX)}
+    assert set(tags) == {tracking.transfer_tag("8/arm"), tracking.transfer_tag("8/conv_kernel_size")}
+    assert set(tags.values()) <= set(TRANSFER_MEANINGS)
+
+    report = (e2e_workdir / "reports" / "tiny-budgets" / "README.md").read_text()
+    assert "4 steps per run, and the design again at 8 steps" in report
+    assert "**Regime.** `dflash` (the reference) at 4 steps (2 seeds): unary top-1 accuracy" in report
+    leaderboard = report.split("## Leaderboard")[1].split("## ")[0]
+    assert "| trial 0 |" in leaderboard and "| trial 2 |" not in leaderboard, "the leaderboard is the first budget's"
+    assert "| `dflash` (reference) | 2 |" in report.split("**Training noise by arm.**")[1]
+    transfer = report.split("## Budget transfer")[1].split("## Learning curves")[0]
+    for key, value in tags.items():
+        term = "`conv_kernel_size`" if key.endswith("conv_kernel_size") else "design runs (mean over its points)"
+        row = next(line for line in transfer.splitlines() if line.startswith(f"| {term}"))
+        assert row.endswith(f"| **{value}** |")
+    assert transfer.count("- design runs (mean over its points): ") == 1 and "**Did 8 steps help over 4?**" in transfer
+    ending = done.stdout.split("Verdicts of study tiny-budgets:")[1]
+    assert ending.count("at 4 steps; at 8 steps") == 2
+
+    again = _launch(BUDGETS, e2e_workdir, cwd=tmp_path)
+    assert again.returncode == 0 and "[trial" not in again.stdout and "[baseline" not in again.stdout

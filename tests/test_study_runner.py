@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from studies.runner import baseline_config, open_study, trial_config
+from harness.design import design_from_spec
+from studies.runner import BUDGET_PARAM, baseline_config, open_study, trial_config
 from studies.schema import StudyDefinitionError, load_study, parse_study
 
 ROOT = Path(__file__).parent.parent
@@ -162,6 +163,22 @@ def test_bad_design_files_get_one_line(change, message):
         ({"reference": "dflash2"}, "invalid field design.reference='dflash2': allowed one of the study's baselines"),
         ({"margin": 0}, "invalid field design.margin=0: allowed greater than 0"),
         ({"centre": {"conv_kernel_size": 2}}, "no centre in a factorial"),
+        ({"reference_seeds": [0]}, "invalid field design.reference_seeds=[0]: allowed at least two distinct seeds"),
+        ({"reference_seeds": [1, 1]}, "invalid field design.reference_seeds=[1, 1]: allowed at least two distinct"),
+        ({"longer_fraction": 4}, "invalid field design.longer_fraction: invalid fraction=4 for 5 factors"),
+        ({"longer_fraction": 3}, "invalid field design.longer_fraction: invalid fraction=3 for 5 factors"),
+        (
+            {"transfer_measured": {"steps": 240, "source": "b.md", "labels": {"conv_kernel_size": "kept"}}},
+            "invalid field design.transfer_measured.labels.conv_kernel_size='kept': allowed one of ['held', ",
+        ),
+        (
+            {"transfer_measured": {"steps": 240, "source": "b.md", "labels": {"block_size": "held"}}},
+            "invalid field design.transfer_measured.labels='block_size': allowed effects from ['conv_kernel_size'",
+        ),
+        (
+            {"transfer_measured": {"steps": 240, "labels": {"arm": "held"}}},
+            "invalid field design.transfer_measured.source=None: allowed a value",
+        ),
     ],
 )
 def test_bad_design_sections_name_the_field(design, message):
@@ -190,3 +207,51 @@ def test_points_and_base_the_target_cannot_take_are_refused_at_launch(tmp_path):
     with pytest.raises(StudyDefinitionError, match=r"study 'default': base: .*candidate_top_k"):
         check_against_target(parse_study(data), tmp_path)
     check_against_target(load_study(ROOT / "studies" / "default.yaml"), tmp_path)  # the shipped one passes
+
+
+def test_the_main_job_runs_its_reference_arm_at_three_seeds_and_one_budget():
+    definition = load_study(ROOT / "studies" / "default.yaml")
+    assert definition.design.reference_seeds == [0, 1, 2] and definition.seeds == [0]
+    assert definition.budgets == [60] and definition.baseline_budgets("dflash") == [60]
+    assert definition.baseline_seeds("dflash") == [0, 1, 2]
+
+
+def test_the_budget_transfer_study_runs_a_resolution_three_fraction_at_240_steps():
+    definition = load_study(ROOT / "studies" / "budget-transfer.yaml")
+    assert definition.budgets == [60, 240] and definition.steps_per_trial == 60
+    assert len(definition.design.points) == 16 and len(definition.design.longer_points) == 8
+    assert definition.n_trials == 24
+    assert design_from_spec(definition.design.longer_spec).resolution == 3
+    assert definition.baseline_budgets("dflash") == [60, 240]
+    # The first budget is the main job's design, point for point.
+    assert definition.design.points == load_study(ROOT / "studies" / "default.yaml").design.points
+    point = {**definition.design.longer_points[0], BUDGET_PARAM: 240}
+    assert trial_config(definition, point).train.max_steps == 240
+    assert trial_config(definition, definition.design.points[0]).train.max_steps == 60
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"budgets": [240, 60]}, "invalid field budgets=[240, 60]: allowed step budgets in increasing order"),
+        ({"budgets": [60, 60]}, "invalid field budgets=[60, 60]: allowed step budgets in increasing order"),
+        ({"budgets": [0, 60]}, "invalid field budgets.0=0: allowed greater than or equal to 1"),
+        ({"budgets": [30, 60]}, "invalid field budget.steps_per_trial=60: allowed absent, or the first of budgets"),
+    ],
+)
+def test_bad_budgets_get_one_line(change, message):
+    data = _design_data()
+    data.update(change)
+    with pytest.raises(StudyDefinitionError) as error:
+        parse_study(data, "default.yaml")
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_longer_budget_needs_a_design():
+    import yaml
+
+    data = yaml.safe_load((ROOT / "studies" / "search.yaml").read_text())
+    data.pop("budget", None)
+    data["budgets"] = [20, 80]
+    with pytest.raises(StudyDefinitionError, match=r"invalid field budgets=\[20, 80\]: allowed one budget without"):
+        parse_study(data, "search.yaml")

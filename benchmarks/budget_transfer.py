@@ -1,0 +1,76 @@
+"""Budget transfer, tabulated: the default design's verdicts at 60 steps against the same knobs at 240, from a
+launch of studies/budget-transfer.yaml. Reads only what the runs recorded, through the report's own sections:
+`python -m benchmarks.budget_transfer --workdir work-transfer` writes benchmarks/BUDGET_TRANSFER.md."""
+
+from __future__ import annotations
+
+import argparse
+import platform
+from datetime import UTC, datetime
+from pathlib import Path
+
+from reports.collect import StudyRecord, collect
+from reports.designed import at_budget, effects_section, recorded_budgets, transfer_section
+from reports.render import computed_in
+
+OUT = Path(__file__).parent / "BUDGET_TRANSFER.md"
+STUDY = "budget-transfer"
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.partition(":")[2].strip()
+    return platform.processor() or "CPU"
+
+
+def wall_minutes(record: StudyRecord) -> dict[int, float]:
+    """Run wall time per budget, summed over runs (two workers run two at a time)."""
+    return {steps: float(at_budget(record, steps).runs["wall_s"].sum()) / 60 for steps in recorded_budgets(record)}
+
+
+def markdown(record: StudyRecord, launch_wall: str, note: str) -> str:
+    first = recorded_budgets(record)[0]
+    effects, _ = effects_section(record, f", at {first} steps")
+    transfer, _, _ = transfer_section(record)
+    walls = ", ".join(f"{steps} steps: {minutes:.1f} min" for steps, minutes in wall_minutes(record).items())
+    when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return "\n".join(
+        [
+            "# Budget transfer: do the main job's 60-step verdicts hold at 240 steps?",
+            "",
+            f"Tabulated {when} by `python -m benchmarks.budget_transfer` from a launch of "
+            "`studies/budget-transfer.yaml` (`dflash-lab study launch studies/budget-transfer.yaml --n-jobs auto`): "
+            "the main job's design and seeds at 60 steps, then the same five knobs trained from the start for 240 "
+            "steps (4x, with the linear decay stretched to 240) on the standard 2^(5-2) fraction, and DFlash at "
+            "seeds 0, 1 and 2 at both budgets.",
+            "",
+            f"- **Machine:** {cpu_model()}, {platform.machine()}, 2 cores; computed in {computed_in(record.runs)}.",
+            f"- **Wall time:** {launch_wall} for the whole launch (2 workers); run wall time summed over runs: "
+            f"{walls}.",
+            *([f"- **Note:** {note}"] if note else []),
+            "",
+            transfer.replace("## Budget transfer", "## The transfer").replace("### ", "### Budgets ")
+            if transfer
+            else "No longer budget was recorded.",
+            "",
+            effects.replace("## Designed effects", f"## The {first}-step fit in full") if effects else "",
+            "",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("work"), help="where the study was launched")
+    parser.add_argument("--wall", default="not measured", help="the launch's wall time, as /usr/bin/time gave it")
+    parser.add_argument("--note", default="", help="what the tables cannot say (the machine's load, say)")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    args.out.write_text(markdown(collect(STUDY, args.workdir), args.wall, args.note))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
