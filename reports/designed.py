@@ -365,7 +365,8 @@ def transfer_section(record: StudyRecord) -> tuple[str | None, dict[str, str], d
                 continue
             found, change = transfer_label(short, long)
             name = term_label(short.term, recorded.reference)
-            rows.append([name, short.text(), long.text(), change.text(signed=True), f"**{found}**"])
+            cells = [f"{e.estimate.text(signed=True)} {e.label}" for e in (short, long)]  # no `|` inside a cell
+            rows.append([name, *cells, change.text(signed=True), f"**{found}**"])
             suffixes[short.term] = suffixes.get(short.term, "") + f"; at {steps} steps {long.text()}: {found}"
             labels[f"{steps}/{short.term}"] = found
         parts.append(table_markdown(["effect", f"at {first} steps", f"at {steps} steps", "change", "transfer"], rows))

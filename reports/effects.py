@@ -58,6 +58,8 @@ class Effect:
     detectable: float  # the smallest |effect| this fit resolves with POWER
 
     def text(self) -> str:
+        if self.label == BOUNDED and self.bound == 0:
+            return f"{self.estimate.text(signed=True)}: bounded (identical runs)"
         if self.label == BOUNDED:
             return f"{self.estimate.text(signed=True)}: bounded, |effect| < {self.bound:.3f} at 95%"
         return f"{self.estimate.text(signed=True)}: {self.label}"

@@ -180,8 +180,8 @@ def regime(configs: list[Configuration], block_size: str) -> str | None:
         return None
     seeds = len(chosen.seeds)
     who = f"`{REFERENCE_ALGORITHM}` (the reference)" if reference else f"the best run ({chosen.label})"
-    steps = chosen.first.get("max_steps", float("nan"))
-    steps = f"{steps:.0f}" if isinstance(steps, (int, float)) and math.isfinite(steps) else "–"
+    steps = float(chosen.first.get("max_steps", float("nan")))  # a float where a frame mixes it with NaN
+    steps = f"{steps:.0f}" if math.isfinite(steps) else "–"
     return (
         f"**Regime.** {who} at {steps} steps ({seeds} seed{'s' * (seeds != 1)}): unary top-1 "
         f"accuracy {estimate(chosen, UNARY_FULL_ACC).text()}, realized accepted length "
