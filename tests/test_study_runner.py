@@ -98,6 +98,7 @@ def _design_data(**design):
     import yaml
 
     data = yaml.safe_load((ROOT / "studies" / "default.yaml").read_text())
+    del data["design"]["transfer_measured"]  # it names the shipped factors, which these variations change
     data["design"].update(design)
     return data
 
@@ -212,6 +213,9 @@ def test_points_and_base_the_target_cannot_take_are_refused_at_launch(tmp_path):
 def test_the_main_job_runs_its_reference_arm_at_three_seeds_and_one_budget():
     definition = load_study(ROOT / "studies" / "default.yaml")
     assert definition.design.reference_seeds == [0, 1, 2] and definition.seeds == [0]
+    cited = definition.design.spec["transfer_measured"]  # the report cites how these carried to 240 steps
+    assert cited["steps"] == 240 and set(cited["labels"]) == {"arm", *definition.design.design.factors}
+    assert (ROOT / cited["source"]).exists()
     assert definition.budgets == [60] and definition.baseline_budgets("dflash") == [60]
     assert definition.baseline_seeds("dflash") == [0, 1, 2]
 
