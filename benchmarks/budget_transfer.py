@@ -11,6 +11,7 @@ from pathlib import Path
 
 from reports.collect import StudyRecord, collect
 from reports.designed import at_budget, effects_section, recorded_budgets, transfer_section
+from reports.effects import ARM
 from reports.render import computed_in
 
 OUT = Path(__file__).parent / "BUDGET_TRANSFER.md"
@@ -29,10 +30,24 @@ def wall_minutes(record: StudyRecord) -> dict[int, float]:
     return {steps: float(at_budget(record, steps).runs["wall_s"].sum()) / 60 for steps in recorded_budgets(record)}
 
 
+def summary(labels: dict[str, str]) -> list[str]:
+    """The transfer labels grouped: which verdicts held, shrank, appeared... at each longer budget."""
+    lines = []
+    for key in dict.fromkeys(k.partition("/")[0] for k in labels):
+        by_label: dict[str, list[str]] = {}
+        for term_key, found in labels.items():
+            steps, _, term = term_key.partition("/")
+            if steps == key:
+                by_label.setdefault(found, []).append("DFlash2 − DFlash" if term == ARM else f"`{term}`")
+        groups = "; ".join(f"*{found}*: {', '.join(terms)}" for found, terms in by_label.items())
+        lines.append(f"- **At {key} steps:** {groups}.")
+    return lines
+
+
 def markdown(record: StudyRecord, launch_wall: str, note: str) -> str:
     first = recorded_budgets(record)[0]
     effects, _ = effects_section(record, f", at {first} steps")
-    transfer, _, _ = transfer_section(record)
+    transfer, _, labels = transfer_section(record)
     walls = ", ".join(f"{steps} steps: {minutes:.1f} min" for steps, minutes in wall_minutes(record).items())
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return "\n".join(
@@ -49,6 +64,7 @@ def markdown(record: StudyRecord, launch_wall: str, note: str) -> str:
             f"- **Wall time:** {launch_wall} for the whole launch (2 workers); run wall time summed over runs: "
             f"{walls}.",
             *([f"- **Note:** {note}"] if note else []),
+            *summary(labels),
             "",
             transfer.replace("## Budget transfer", "## The transfer").replace("### ", "### Budgets ")
             if transfer
