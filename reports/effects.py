@@ -98,7 +98,7 @@ def label(estimate: Estimate, margin: float) -> tuple[str, float]:
     if math.isnan(estimate.low):
         return NOT_DISTINGUISHABLE, float("nan")
     if estimate.se < EXACT and abs(estimate.value) < EXACT:  # identical runs: rounding, not an effect
-        return (BOUNDED if margin > 0 else NOT_DISTINGUISHABLE), 0.0
+        return BOUNDED, 0.0
     bound = max(abs(estimate.low), abs(estimate.high))
     if estimate.excludes_zero:
         return RESOLVED, bound
@@ -137,8 +137,6 @@ def fit_design(
     rank = int(np.linalg.matrix_rank(x)) if points else 0
     if rank < x.shape[1]:  # a point has no run yet: some effects are not estimable
         return Fit([], len(points) - rank, float("nan"), len(units), "not every design point has a finished run")
-    if reference and not points:
-        return Fit([], 0, float("nan"), len(units), "no design run has finished")
     dof = len(points) - rank
     if dof < 1:
         return Fit([], int(dof), float("nan"), len(units), "no residual degrees of freedom: add seeds or runs")
@@ -167,17 +165,17 @@ def fit_design(
     if reference:
         reference_estimate, reference_noise = reference_mean(reference)
         difference = unpaired_difference(mean, reference_estimate, confidence)
-        effects.insert(0, arm_effect(difference, welch_dof(mean, reference_estimate), margin))
+        effects.insert(0, arm_effect(difference, welch_dof(mean, reference_estimate), margin, confidence))
     return Fit(effects, int(dof), tau2, len(units), "", design_noise, reference_noise, mean, reference_estimate)
 
 
-def arm_effect(difference: Estimate, dof: float, margin: float) -> Effect:
+def arm_effect(difference: Estimate, dof: float, margin: float, confidence: float = CONFIDENCE) -> Effect:
     """Design − reference as an effect: its label, bound and detectable size on its Welch degrees of freedom."""
     kind, bound = label(difference, margin)
     if math.isnan(difference.low):
         return Effect(ARM, difference, kind, bound, float("nan"))
-    t_crit = (difference.high - difference.value) / difference.se
-    return Effect(ARM, difference, kind, bound, (t_crit + float(stats.t.ppf(POWER, dof))) * difference.se)
+    t_sum = float(stats.t.ppf(0.5 + confidence / 2, dof)) + float(stats.t.ppf(POWER, dof))
+    return Effect(ARM, difference, kind, bound, t_sum * difference.se)
 
 
 def transfer_label(short: Effect, long: Effect) -> tuple[str, Estimate]:
