@@ -128,9 +128,15 @@ def effects_section(
     record = first_budget(record)
     units = design_units(record, recorded)
     design = recorded.design
+    params = record.parent["params"]
+    reference_seeds = (
+        f"; the reference arm `{recorded.reference}` at seeds {params['study.reference_seeds']}"
+        if recorded.reference and params.get("study.reference_seeds")
+        else ""
+    )
     parts = [
         "## Designed effects",
-        f"**Design:** {design.describe()}, seeds {record.parent['params'].get('study.seeds')}.",
+        f"**Design:** {design.describe()}, seeds {params.get('study.seeds')}{reference_seeds}.",
     ]
     parts.append("Alias structure:\n\n" + "\n".join(f"- {line}" for line in design.alias_lines()))
     fit, with_interactions = fit_recorded(recorded, units)
@@ -146,8 +152,9 @@ def effects_section(
     parts.append(
         "Each run is one unit: its realized accepted length on every validation anchor, weighted by "
         "1 / (τ² + its clustered within-run variance), with τ² the variance between runs beyond measurement "
-        f"(training noise and unfitted terms; estimated τ = {math.sqrt(fit.tau2):.3f}). The 95% intervals are t "
-        f"intervals on the {fit.residual_dof} residual degrees of freedom, so training noise is inside them. "
+        f"(training noise and unfitted terms; estimated τ = {math.sqrt(fit.tau2):.3f}). The effects' 95% intervals "
+        f"are t intervals on the {fit.residual_dof} residual degrees of freedom, so training noise is inside them"
+        f"{'; design − reference is a Welch difference of the two arms (below)' if fit.reference_noise else ''}. "
         f"*Resolved*: the interval excludes 0. *Bounded*: it lies inside ±{recorded.margin:g} accepted tokens "
         "(the study's margin), so the knob does not matter at this budget. *Detectable* is the smallest "
         "|effect| this design resolves with 80% power."
@@ -190,7 +197,8 @@ def measured_transfer_text(measured: dict, reference: str) -> str:
     return (
         f"**At {measured['steps']} steps.** This study runs one budget. The same design at {measured['steps']} steps "
         f"was measured by another study, published in `{measured['source']}` (its machine and date are there; "
-        "it is cited by the study file, not recomputed from this store):\n\n" + "\n".join(lines)
+        "it is cited by the study file, not recomputed from this store; what each label means: docs/uncertainty.md, "
+        "Budget transfer):\n\n" + "\n".join(lines)
     )
 
 
