@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from reports.collect import StudyRecord, collect
-from reports.designed import at_budget, effects_section, recorded_budgets, transfer_section
+from reports.designed import at_budget, effects_section, recorded_budgets, recorded_design, transfer_section
 from reports.effects import ARM
 from reports.render import computed_in
 
@@ -44,6 +44,13 @@ def summary(labels: dict[str, str]) -> list[str]:
     return lines
 
 
+def longer_points(record: StudyRecord) -> str:
+    """What the longer budget ran: the same design, or a fraction of it."""
+    recorded = recorded_design(record)
+    same = recorded.longer.describe() == recorded.design.describe()
+    return ("the same " if same else "a ") + recorded.longer.describe()
+
+
 def markdown(record: StudyRecord, launch_wall: str, note: str) -> str:
     first = recorded_budgets(record)[0]
     effects, _ = effects_section(record, f", at {first} steps")
@@ -55,9 +62,9 @@ def markdown(record: StudyRecord, launch_wall: str, note: str) -> str:
             "# Budget transfer: do the main job's 60-step verdicts hold at 240 steps?",
             "",
             f"Tabulated {when} by `python -m benchmarks.budget_transfer` from a launch of "
-            "`studies/budget-transfer.yaml` (`dflash-lab study launch studies/budget-transfer.yaml --n-jobs auto`): "
+            f"`studies/{record.name}.yaml` (`dflash-lab study launch studies/{record.name}.yaml --n-jobs auto`): "
             "the main job's design and seeds at 60 steps, then the same five knobs trained from the start for 240 "
-            "steps (4x, with the linear decay stretched to 240) on the standard 2^(5-2) fraction, and DFlash at "
+            f"steps (4x, with the linear decay stretched to 240) on {longer_points(record)}, and DFlash at "
             "seeds 0, 1 and 2 at both budgets.",
             "",
             f"- **Machine:** {cpu_model()}, {platform.machine()}, 2 cores; computed in {computed_in(record.runs)}.",
@@ -79,11 +86,12 @@ def markdown(record: StudyRecord, launch_wall: str, note: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, default=Path("work"), help="where the study was launched")
+    parser.add_argument("--study", default=STUDY, help="budget-transfer, or budget-transfer-full (the whole design)")
     parser.add_argument("--wall", default="not measured", help="the launch's wall time, as /usr/bin/time gave it")
     parser.add_argument("--note", default="", help="what the tables cannot say (the machine's load, say)")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
-    args.out.write_text(markdown(collect(STUDY, args.workdir), args.wall, args.note))
+    args.out.write_text(markdown(collect(args.study, args.workdir), args.wall, args.note))
     print(f"wrote {args.out}")
     return 0
 
