@@ -163,18 +163,22 @@ def header(record: StudyRecord, configs: list[Configuration]) -> str:
 
 def budget_text(record: StudyRecord) -> str:
     budgets = recorded_budgets(record)
-    if len(budgets) > 1:
-        return f"{budgets[0]} steps per run, and the design again at {', '.join(map(str, budgets[1:]))} steps"
-    return f"{record.parent['params'].get('study.steps_per_trial', '–')} steps per run"
+    again = f", and the design again at {', '.join(map(str, budgets[1:]))} steps" if len(budgets) > 1 else ""
+    return f"{budgets[0] if budgets else '–'} steps per run{again}"
+
+
+def reference_configs(configs: list[Configuration]) -> list[Configuration]:
+    """The reference algorithm's baseline configurations (DFlash), best first as `configs` are."""
+    return [
+        c for c in configs if c.first["role"] == tracking.ROLE_BASELINE and c.first["baseline"] == REFERENCE_ALGORITHM
+    ]
 
 
 def regime(configs: list[Configuration], block_size: str) -> str | None:
     """Where training stands: the reference arm's (else the best run's) unary top-1 accuracy and accepted length
     against the floor and the ceiling, so that a verdict about learning speed is not read as one about trained
     drafters."""
-    reference = [
-        c for c in configs if c.first["role"] == tracking.ROLE_BASELINE and c.first["baseline"] == REFERENCE_ALGORITHM
-    ]
+    reference = reference_configs(configs)
     chosen = reference[0] if reference else (configs[0] if configs else None)
     if chosen is None:
         return None
@@ -456,9 +460,7 @@ def best_and_reference(configs: list[Configuration]) -> list[tuple[str, Configur
     trials = [c for c in configs if c.first["role"] == tracking.ROLE_TRIAL]
     if trials:
         chosen.append(("best " + trials[0].label, trials[0]))
-    reference = [
-        c for c in configs if c.first["role"] == tracking.ROLE_BASELINE and c.first["baseline"] == REFERENCE_ALGORITHM
-    ]
+    reference = reference_configs(configs)
     if reference:
         chosen.append((f"{REFERENCE_ALGORITHM} baseline", reference[0]))
     return chosen
@@ -519,9 +521,7 @@ def verdicts(configs: list[Configuration], resolved_knobs: list[str] | None, des
             f"positive and resolved in {sum(_resolved_gain(c) for c in selector)} of {len(selector)} selector runs."
         )
         lines.append(f"- Oracle headroom (oracle − realized) on that run: {verdict(headroom)} tokens per cycle.")
-    reference = [
-        c for c in configs if c.first["role"] == tracking.ROLE_BASELINE and c.first["baseline"] == REFERENCE_ALGORITHM
-    ]
+    reference = reference_configs(configs)
     if reference and selector:
         ahead = difference(selector[0], REALIZED_ACCEPTED_LENGTH, reference[0])
         seeds = "paired by document and seed" if selector[0].seeds == reference[0].seeds else "paired by document"
@@ -553,9 +553,7 @@ def headline(configs: list[Configuration]) -> str:
         return "no finished run yet"
     best = configs[0]
     line = f"best: {best.label}, realized {estimate(best, REALIZED_ACCEPTED_LENGTH).text()}"
-    reference = [
-        c for c in configs if c.first["role"] == tracking.ROLE_BASELINE and c.first["baseline"] == REFERENCE_ALGORITHM
-    ]
+    reference = reference_configs(configs)
     if reference and reference[0] is not best:
         line += (
             f"; − {REFERENCE_ALGORITHM} baseline: {verdict(difference(best, REALIZED_ACCEPTED_LENGTH, reference[0]))}"
