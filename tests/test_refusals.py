@@ -140,6 +140,8 @@ def optuna_log_of_a_stopped_trial(quiet: bool) -> str:
     logger.addHandler(handler)
     trial_logger = logging.getLogger(runner.OPTUNA_TRIAL_LOGGER)
     filters = list(trial_logger.filters)
+    # An earlier in-process launch in this worker leaves our filter installed: start from Optuna's own logger.
+    trial_logger.filters[:] = [f for f in filters if not isinstance(f, runner.StackFreeStop)]
     try:
         if quiet:
             runner.quiet_stops_in_optuna_log()
