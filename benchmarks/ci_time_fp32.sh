@@ -16,7 +16,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --cpus) CPUS="$2"; shift 2 ;;
     --fresh-engine) FRESH=1; shift ;;
-    -h | --help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "error: unknown argument $1: allowed --cpus N, --fresh-engine" >&2; exit 2 ;;
   esac
 done
