@@ -14,8 +14,12 @@ from reports.designed import at_budget, effects_section, recorded_budgets, recor
 from reports.effects import ARM
 from reports.render import computed_in
 
-OUT = Path(__file__).parent / "BUDGET_TRANSFER.md"
 STUDY = "budget-transfer"
+
+
+def default_out(study: str) -> Path:
+    """Each study's own file (budget-transfer-full -> BUDGET_TRANSFER_FULL.md), so neither overwrites the other."""
+    return Path(__file__).parent / f"{study.upper().replace('-', '_')}.md"
 
 
 def cpu_model() -> str:
@@ -89,10 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--study", default=STUDY, help="budget-transfer, or budget-transfer-full (the whole design)")
     parser.add_argument("--wall", default="not measured", help="the launch's wall time, as /usr/bin/time gave it")
     parser.add_argument("--note", default="", help="what the tables cannot say (the machine's load, say)")
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--out", type=Path, help="default: benchmarks/<STUDY>.md, upper case")
     args = parser.parse_args(argv)
-    args.out.write_text(markdown(collect(args.study, args.workdir), args.wall, args.note))
-    print(f"wrote {args.out}")
+    out = args.out or default_out(args.study)
+    out.write_text(markdown(collect(args.study, args.workdir), args.wall, args.note))
+    print(f"wrote {out}")
     return 0
 
 
