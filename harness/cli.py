@@ -354,10 +354,9 @@ def served_engine(args: argparse.Namespace):
 def evaluate_served(engine, run, workspace, draft, eval_config) -> int:
     from harness import tracking
     from harness.run import SERVED_RECORDS_FILE
-    from harness.served import log_served, serve_and_compare
+    from harness.served import serve_run
 
-    metrics, records = serve_and_compare(engine, run, workspace.target, draft, workspace.data.validation, eval_config)
-    log_served(run, engine, metrics, records)
+    metrics = serve_run(engine, run, workspace.target, draft, workspace.data.validation, eval_config)
     for name in (
         "accepted_length_greedy",
         "agreement_cycle_fraction",
@@ -376,9 +375,9 @@ def evaluate_served(engine, run, workspace, draft, eval_config) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a run's draft with its target in llama.cpp for a person to try, until Ctrl-C."""
-    from harness.run import SERVED_DIR
+    from harness.run import SERVED_DIR, SERVING_LOCK_FILE, server_records
     from harness.served import check_servable, check_served_format, gguf_files
-    from harness.serving import ENGINE, LlamaServer
+    from harness.serving import ENGINE, EngineError, LlamaServer, file_lock
     from harness.targets import load_target
     from harness.train import checkpoint_config, restore_draft
 
@@ -391,19 +390,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     target = load_target(config.target, run.workdir, config.algorithm.shared.mask_token_id)
     draft = restore_draft(state, target)
     check_servable(draft)
-    target_gguf, draft_gguf = gguf_files(engine, run, draft, target)
     block = draft.block_size - draft.shared.first_draft_slot
     spec_type = draft.algorithm.entry.export_format.serve_as
     log = run.path(SERVED_DIR) / "server.log"
-    with LlamaServer(engine, target_gguf, log, draft_gguf, block, spec_type, port=args.port) as server:
-        print(f"serving {run.name} with llama.cpp {engine.commit[:9]} at {server.url} (Ctrl-C stops it)")
-        print(
-            f"try: curl {server.url}/v1/chat/completions -H 'Content-Type: application/json' "
-            """-d '{"messages": [{"role": "user", "content": "Write a haiku about the sea."}]}'"""
+    with file_lock(run.path(SERVED_DIR) / SERVING_LOCK_FILE, f"serving run {run.name}"):
+        target_gguf, draft_gguf = gguf_files(engine, run, draft, target)
+        server = LlamaServer(
+            engine, target_gguf, log, server_records(run.workdir), draft_gguf, block, spec_type, port=args.port
         )
-        while server.process is not None and server.process.poll() is None:
-            server.process.wait(timeout=None)
-    return 0
+        with server:
+            print(f"serving {run.name} with llama.cpp {engine.commit[:9]} at {server.url} (Ctrl-C stops it)")
+            print(
+                f"try: curl {server.url}/v1/chat/completions -H 'Content-Type: application/json' "
+                """-d '{"messages": [{"role": "user", "content": "Write a haiku about the sea."}]}'"""
+            )
+            status = server.process.wait()  # until Ctrl-C, SIGTERM, or the server's own end
+    raise EngineError(f"llama-server stopped by itself with status {status}: {server.log_tail()} (log: {log})")
 
 
 def add_system_metrics(parser: argparse.ArgumentParser) -> None:

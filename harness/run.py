@@ -12,6 +12,7 @@ import logging
 import os
 import pickle
 import re
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from typing import IO
 
 import mlflow
 import torch
+from mlflow.entities import Metric, RunTag
 
 from harness import tracking
 from harness.files import atomic_write
@@ -39,6 +41,8 @@ VALIDATION_DOCUMENTS_FILE = "validation_documents.csv"  # per-document (sum, tot
 EVAL_RECORDS_FILE = "eval_records.json"
 SERVED_DIR = "served"  # GGUF files and server logs of `evaluate --engine` (the target's once per work directory)
 SERVED_RECORDS_FILE = "served_records.json"
+SERVING_LOCK_FILE = ".serving.lock"  # in a run's SERVED_DIR: held (flock) by the one process serving the run
+SERVERS_DIR = "servers"  # in the work directory's SERVED_DIR: one record per running llama-server
 EXPORT_DIR = "export"
 # Checkpoints up to this size are also copied into MLflow's artifact store; larger ones are only tagged.
 ARTIFACT_CHECKPOINT_LIMIT = 64 * 2**20
@@ -68,6 +72,11 @@ def ending_tags(status: RunStatus, reason: str) -> dict[str, str]:
 
 def runs_root(workdir: Path) -> Path:
     return workdir / "runs"
+
+
+def server_records(workdir: Path) -> Path:
+    """Where the work directory's running llama-servers are recorded, so a later start stops one left behind."""
+    return workdir / SERVED_DIR / SERVERS_DIR
 
 
 # A run's name is its directory under <workdir>/runs: one path segment, so nothing lands outside the workdir.
@@ -341,17 +350,26 @@ class Run:
 
     # ---- a run that is not active in this process -----------------------------------------------
 
+    @deferring_preemption
     def log_into_finished(
         self, metrics: dict[str, float], prefix: str, files: list[Path], tags: dict[str, str] | None = None
     ) -> None:
-        """Add metrics, files and tags to this run after it ended (e.g. a later evaluation)."""
+        """Add files, then metrics and tags, to this run after it ended (e.g. a later evaluation). The metrics and
+        tags go in one batch, written whole or not at all (a SIGTERM waits for it), so an interrupted evaluation
+        that is run again never leaves a metric logged twice."""
         client = tracking.client(self.workdir)
-        for key, value in (tags or {}).items():
-            client.set_tag(self.run_id, key, value)
-        for name, value in tracking.prefixed(metrics, prefix).items():
-            client.log_metric(self.run_id, name, value)
-        for path in files:
+        for path in files:  # an artifact written again replaces the first
             client.log_artifact(self.run_id, str(path))
+        now = int(time.time() * 1000)
+        client.log_batch(
+            self.run_id,
+            metrics=[Metric(name, value, now, 0) for name, value in tracking.prefixed(metrics, prefix).items()],
+            tags=[RunTag(key, value) for key, value in (tags or {}).items()],
+        )
+
+    def tags(self) -> dict[str, str]:
+        """The run's MLflow tags as recorded now."""
+        return tracking.client(self.workdir).get_run(self.run_id).data.tags
 
     def record_without_training(
         self, tags: dict[str, str], params: dict, parent_run_id: str | None, status: RunStatus, reason: str

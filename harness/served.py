@@ -14,6 +14,8 @@ import itertools
 import json
 import math
 import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,9 +30,10 @@ from harness.decode import speculative_generate, target_greedy
 from harness.evaluate import chat_prompt_ids, mtbench_questions, prompt_ids, temperature_tag
 from harness.export import NoPeerFormat, export_checkpoint, peer_format
 from harness.files import atomic_write
-from harness.run import SERVED_DIR, SERVED_RECORDS_FILE, Run
-from harness.serving import ENGINE, Completion, Engine, EngineError, LlamaServer, to_gguf
+from harness.run import SERVED_DIR, SERVED_RECORDS_FILE, SERVING_LOCK_FILE, Run, server_records
+from harness.serving import ENGINE, Completion, Engine, EngineError, LlamaServer, file_lock, to_gguf
 from harness.targets import Target
+from harness.tracking import TAG_SERVED_REASON, TAG_SERVED_STATUS, RunStatus
 from harness.uncertainty import mean_estimate
 
 NEAR_TIE = 0.05  # a top-2 logit gap below this counts as a near-tie: the verify batch's rounding may flip it
@@ -138,6 +141,46 @@ def accepted_length(accepted: list[int]) -> float:
 Served = dict[tuple[str, float], list[Completion]]  # (prompt set, temperature) -> one completion per prompt
 
 
+@contextmanager
+def serving(run: Run) -> Iterator[None]:
+    """One process at a time serves a run (its export, GGUF and server logs are the holder's; a second evaluation
+    waits), and MLflow says how the serving went: `running` while it serves, `finished` with the metrics
+    (log_served), `interrupted` or `failed` with the reason when it stops early. Only a SIGKILL leaves `running`
+    behind, and the next serving of the run replaces it."""
+    with file_lock(run.path(SERVED_DIR) / SERVING_LOCK_FILE, f"serving run {run.name}"):
+        run.log_into_finished({}, "", [], tags={TAG_SERVED_STATUS: RunStatus.RUNNING.value, TAG_SERVED_REASON: ""})
+        try:
+            yield
+        except KeyboardInterrupt as stop:
+            reason = str(stop) or "interrupted (Ctrl-C)"
+            run.log_into_finished(
+                {}, "", [], tags={TAG_SERVED_STATUS: RunStatus.INTERRUPTED.value, TAG_SERVED_REASON: reason}
+            )
+            raise
+        except Exception as error:
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            run.log_into_finished(
+                {}, "", [], tags={TAG_SERVED_STATUS: RunStatus.FAILED.value, TAG_SERVED_REASON: reason}
+            )
+            raise
+
+
+def served_status(run: Run) -> RunStatus | None:
+    """How the run's latest serving went, None if it was never served."""
+    status = run.tags().get(TAG_SERVED_STATUS)
+    return RunStatus(status) if status else None
+
+
+def serve_run(
+    engine: Engine, run: Run, target: Target, draft: DFlashDraft, chat_documents, config: EvalConfig
+) -> dict[str, float]:
+    """Serve, compare and log one run's draft (the step behind `evaluate --engine` and a study's serving)."""
+    with serving(run):
+        metrics, records = serve_and_compare(engine, run, target, draft, chat_documents, config)
+        log_served(run, engine, metrics, records)
+    return metrics
+
+
 def serve_and_compare(
     engine: Engine, run: Run, target: Target, draft: DFlashDraft, chat_documents, config: EvalConfig
 ) -> tuple[dict[str, float], list[dict]]:
@@ -187,13 +230,14 @@ def serve_prompts(
     served: Served = {}
     alone: Served = {}
     tokens = config.max_new_tokens
-    with LlamaServer(engine, target_gguf, logs / "server-draft.log", draft_gguf, block, spec_type) as server:
+    records = server_records(run.workdir)
+    with LlamaServer(engine, target_gguf, logs / "server-draft.log", records, draft_gguf, block, spec_type) as server:
         for (name, prompts), temperature in itertools.product(prompt_sets.items(), temperatures):
             bar = tqdm(prompts, desc=f"serve {name} {temperature_tag(temperature)}", unit="request")
             served[name, temperature] = [
                 server.complete(p, tokens, temperature, config.seed + i) for i, p in enumerate(bar)
             ]
-    with LlamaServer(engine, target_gguf, logs / "server-alone.log") as server:
+    with LlamaServer(engine, target_gguf, logs / "server-alone.log", records) as server:
         for name, prompts in prompt_sets.items():
             bar = tqdm(prompts, desc=f"serve {name} without the draft", unit="request")
             alone[name, 0.0] = [server.complete(p, tokens) for p in bar]
@@ -269,8 +313,14 @@ def served_metrics(served: Served, alone: Served, records: list[dict]) -> dict[s
 
 
 def log_served(run: Run, engine: Engine, metrics: dict[str, float], records: list[dict]) -> None:
-    """served/llama_cpp/* metrics, the per-request records, and the engine's commit and converter as tags."""
+    """served/llama_cpp/* metrics, the per-request records, and the engine's commit and converter as tags, with
+    the serving's status `finished` in the same batch."""
     path = run.path(SERVED_RECORDS_FILE)
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(records, indent=1)))
-    tags = {tracking.TAG_ENGINE_COMMIT: engine.commit, tracking.TAG_GGUF_VERSION: engine.converter_version}
+    tags = {
+        tracking.TAG_ENGINE_COMMIT: engine.commit,
+        tracking.TAG_GGUF_VERSION: engine.converter_version,
+        TAG_SERVED_STATUS: RunStatus.FINISHED.value,
+        TAG_SERVED_REASON: "",
+    }
     run.log_into_finished(metrics, tracking.SERVED_PREFIX, [path], tags=tags)

@@ -1,25 +1,35 @@
 """A real serving engine for the family: llama.cpp's `llama-server`, built by `scripts/llama_cpp.sh`.
 
-The engine owns: finding the build, converting a target and a draft export to GGUF (f32, so both sides compute the
-same target), and one server on loopback that is always stopped. What the served numbers are compared against
-lives in `harness/served.py`.
+The engine owns: finding a complete build, converting a target and a draft export to GGUF (f32, so both sides
+compute the same target) into files that are checked before every use, and one server on loopback that never
+outlives the process that started it. What the served numbers are compared against lives in `harness/served.py`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
+import hashlib
+import http.client
 import json
+import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.files import atomic_write
+from harness.files import atomic_write, process_alive, remove
+
+log = logging.getLogger(__name__)
 
 ENGINE = "llama.cpp"
 # Where scripts/llama_cpp.sh builds: <cache>/llama.cpp/<commit>/{src,build,COMMIT}.
@@ -73,31 +83,110 @@ def find_engine() -> Engine:
         (root for root in (cache_root() / "llama.cpp").glob("*") if (root / "COMMIT").is_file()),
         key=lambda root: (root / "COMMIT").stat().st_mtime,
     )
-    builds = [root for root in builds if (root / "build" / "bin" / "llama-server").is_file()]
+    # The build script writes COMMIT only after the server linked: a build cut short has none and is not listed;
+    # a server binary that lost its execute bit (or was replaced by something else) is refused below.
     if not builds:
         raise EngineError(
             f"invalid --engine={ENGINE}: llama.cpp's llama-server is not built under {cache_root() / 'llama.cpp'}; "
             f"allowed after `{SETUP_COMMAND}` builds it (about 7 minutes on 2 cores, once)"
         )
-    return Engine(builds[-1])
+    engine = Engine(builds[-1])
+    if not engine.server.is_file() or not os.access(engine.server, os.X_OK):
+        state = "is not executable" if engine.server.is_file() else "is missing"
+        raise EngineError(
+            f"invalid --engine={ENGINE}: {engine.server} {state} (an interrupted or damaged build); "
+            f"run `{SETUP_COMMAND}` to build it again"
+        )
+    return engine
+
+
+GGUF_MAGIC = b"GGUF"
+STAMP_SUFFIX = ".sha256"  # beside each converted GGUF: its size and SHA-256 when it was written
+
+
+def gguf_stamp(path: Path) -> dict:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def gguf_problem(path: Path) -> str | None:
+    """Why a cached GGUF cannot be served (None when it can): no stamp (a kill between the rename and the stamp,
+    or a file from elsewhere), another size (truncated), a header that is not GGUF (zeroed), or another checksum."""
+    stamp_path = path.with_name(path.name + STAMP_SUFFIX)
+    if not stamp_path.is_file():
+        return "it has no checksum stamp"
+    try:
+        stamp = json.loads(stamp_path.read_text())
+        size, sha256 = int(stamp["size"]), str(stamp["sha256"])
+    except (ValueError, KeyError, TypeError):
+        return "its checksum stamp is unreadable"
+    if path.stat().st_size != size:
+        return f"its size is {path.stat().st_size} bytes, {size} when written"
+    with open(path, "rb") as file:
+        if file.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+            return "its header is not GGUF"
+    if gguf_stamp(path)["sha256"] != sha256:
+        return "its checksum differs from the one recorded when it was written"
+    return None
+
+
+@contextmanager
+def file_lock(path: Path, waiting: str) -> Iterator[None]:
+    """An exclusive flock on `path` (released by the OS when the holder dies); `waiting` is logged if it is busy."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            log.info("%s: waiting for %s", waiting, holder)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            handle.seek(0)
+            handle.truncate()
 
 
 def to_gguf(engine: Engine, source: Path, out: Path, what: str, target_dir: Path | None = None) -> Path:
-    """Convert a Hugging Face directory (a target, or a draft export with its target) to an f32 GGUF, once."""
-    if out.is_file():
-        return out
-    command = [sys.executable, str(engine.converter), str(source), "--outtype", "f32"]
-    if target_dir is not None:
-        command += ["--target-model-dir", str(target_dir)]
-    env = {**os.environ, "PYTHONPATH": str(engine.gguf_py)}
+    """Convert a Hugging Face directory (a target, or a draft export with its target) to an f32 GGUF, once.
 
-    def convert(tmp: Path) -> None:
-        done = subprocess.run([*command, "--outfile", str(tmp)], capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            lines = [line for line in (done.stderr + done.stdout).strip().splitlines() if line.strip()]
-            raise EngineError(f"converting {what} to GGUF failed: {lines[-1] if lines else done.returncode}")
+    The conversion writes a temporary and renames it, then stamps the file with its size and checksum; a cached
+    file is served only when its stamp checks out, and is rebuilt otherwise. A lock per file makes a second
+    process wait for the first's conversion instead of reading it half-written or converting it twice.
+    """
+    stamp_path = out.with_name(out.name + STAMP_SUFFIX)
+    with file_lock(out.with_name(out.name + ".lock"), f"converting {what} to GGUF"):
+        if out.is_file():
+            problem = gguf_problem(out)
+            if problem is None:
+                return out
+            log.warning("rebuilding %s: %s", out, problem)
+            remove(stamp_path)
+            remove(out)
+        command = [sys.executable, str(engine.converter), str(source), "--outtype", "f32"]
+        if target_dir is not None:
+            command += ["--target-model-dir", str(target_dir)]
+        env = {**os.environ, "PYTHONPATH": str(engine.gguf_py)}
+        stamp: dict = {}
 
-    atomic_write(out, convert)
+        def convert(tmp: Path) -> None:
+            done = subprocess.run([*command, "--outfile", str(tmp)], capture_output=True, text=True, env=env)
+            if done.returncode != 0:
+                lines = [line for line in (done.stderr + done.stdout).strip().splitlines() if line.strip()]
+                raise EngineError(f"converting {what} to GGUF failed: {lines[-1] if lines else done.returncode}")
+            stamp.update(gguf_stamp(tmp))
+
+        atomic_write(out, convert)
+        atomic_write(stamp_path, lambda tmp: tmp.write_text(json.dumps(stamp)))
     return out
 
 
@@ -119,15 +208,76 @@ class Completion:
     draft_n_accepted: int = 0
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Run in the server's process between fork and exec: the kernel sends it SIGKILL when its parent dies, however
+    the parent dies (SIGKILL included). Should the parent already be gone, exit at once: the signal would never come.
+    The signal follows the thread that started the child, so a server is started and stopped by one thread."""
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() != parent:
+        os._exit(1)
+
+
+def start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat): a pid that was reused by
+    another process has another one. None when no such process runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def alive_as(pid: int, started: str | None) -> bool:
+    """Whether `pid` still runs as the process that was started at `started`."""
+    if started is None or not sys.platform.startswith("linux"):
+        return process_alive(pid)
+    return start_time(pid) == started
+
+
+def stop_orphans(records: Path) -> list[int]:
+    """Stop every server recorded in `records` whose starting process no longer runs (a SIGKILL left it, on a
+    system without parent-death signals or when the signal raced the start); returns their pids."""
+    stopped = []
+    for path in sorted(records.glob("*.json")) if records.is_dir() else []:
+        try:
+            record = json.loads(path.read_text())
+        except ValueError:
+            remove(path)
+            continue
+        if alive_as(record["owner"], record.get("owner_started")):
+            continue  # a live process of this work directory serves with it: not an orphan
+        if alive_as(record["pid"], record.get("started")):
+            log.warning(
+                "stopping llama-server (pid %d, port %s) left running by process %d, which no longer runs",
+                record["pid"],
+                record.get("port"),
+                record["owner"],
+            )
+            os.kill(record["pid"], signal.SIGKILL)
+            stopped.append(record["pid"])
+        remove(path)
+    return stopped
+
+
 class LlamaServer:
     """`llama-server` on loopback with a bounded start-up, stopped on leaving the block (Ctrl-C and SIGTERM
-    included); with a draft it drafts the whole block and never cuts it by confidence."""
+    included) and killed by the kernel if the process that started it dies; with a draft it drafts the whole block
+    and never cuts it by confidence.
+
+    Each server is recorded in `records` (one file per server, under the work directory) while it runs, so a later
+    start in the same work directory stops one that an earlier process left behind.
+    """
 
     def __init__(
         self,
         engine: Engine,
         model: Path,
         log_path: Path,
+        records: Path,
         draft: Path | None = None,
         draft_tokens: int = 0,
         spec_type: str = "draft-dflash",
@@ -135,6 +285,7 @@ class LlamaServer:
         port: int | None = None,
     ) -> None:
         self.engine, self.model, self.draft, self.log_path = engine, model, draft, log_path
+        self.records = records
         self.draft_tokens, self.spec_type = draft_tokens, spec_type
         self.threads = threads or max(1, os.cpu_count() or 1)
         self.port = port
@@ -152,7 +303,12 @@ class LlamaServer:
             command += ["--spec-draft-n-max", str(self.draft_tokens), "--spec-draft-p-min", "0"]
         return command
 
+    @property
+    def record_path(self) -> Path | None:
+        return self.records / f"{self.process.pid}.json" if self.process is not None else None
+
     def __enter__(self) -> LlamaServer:
+        stop_orphans(self.records)
         for _ in range(3):  # a port another process took between the probe and the bind: another port
             self.port = self.port or free_port()
             try:
@@ -170,7 +326,11 @@ class LlamaServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
             env = {**os.environ, "LLAMA_TRACE": "1"}  # one log line per verify step
-            self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env)
+            preexec = die_with_parent if sys.platform.startswith("linux") else None
+            self.process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec
+            )
+        self._record()
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -186,6 +346,17 @@ class LlamaServer:
                 pass
             time.sleep(0.5)
         raise EngineError(f"llama-server did not answer within {START_TIMEOUT_S:.0f} s: {self.log_tail()}")
+
+    def _record(self) -> None:
+        record = {
+            "pid": self.process.pid,
+            "started": start_time(self.process.pid),
+            "owner": os.getpid(),
+            "owner_started": start_time(os.getpid()),
+            "port": self.port,
+            "log": str(self.log_path),
+        }
+        atomic_write(self.record_path, lambda tmp: tmp.write_text(json.dumps(record)))
 
     def task_log(self, offset: int, timeout_s: float = 10.0) -> str:
         """The log written since `offset`, once the task's closing timing line is in it (the server logs from a
@@ -214,7 +385,21 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.process is not None:
+            remove(self.record_path)
         self.process = None
+
+    def died(self, error: BaseException) -> EngineError:
+        """The one-line error for a request that failed: the server's exit and last log lines when it died (killed,
+        crashed), or the request's own error when it still runs."""
+        try:
+            status = self.process.wait(timeout=5) if self.process is not None else None
+        except subprocess.TimeoutExpired:
+            status = None
+        if status is None:
+            return EngineError(f"llama-server at {self.url} failed a request ({error}); log: {self.log_path}")
+        how = f"killed by signal {-status}" if status < 0 else f"exited with status {status}"
+        return EngineError(f"llama-server died during a request ({how}): {self.log_tail()} (log: {self.log_path})")
 
     def complete(self, prompt: list[int], n_predict: int, temperature: float = 0.0, seed: int = 0) -> Completion:
         """One request as token ids; sampling at T > 0 is plain temperature sampling (no top-k/top-p/min-p)."""
@@ -233,8 +418,11 @@ class LlamaServer:
         request = urllib.request.Request(
             f"{self.url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
         )
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
-            reply = json.load(answer)
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as answer:
+                reply = json.load(answer)
+        except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as error:
+            raise self.died(error) from None
         cycles = list(CYCLE_LINE.finditer(self.task_log(offset)))
         timings = reply.get("timings", {})
         return Completion(

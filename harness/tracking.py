@@ -47,6 +47,9 @@ TRANSFER_TAG_PREFIX = "dflash_lab.transfer."  # a parent run's tag per effect an
 # The serving engine that checked a run's acceptance (`evaluate --engine llama.cpp`): its commit and the GGUF
 # converter's version.
 TAG_ENGINE_COMMIT, TAG_GGUF_VERSION = "dflash_lab.served.llama_cpp_commit", "dflash_lab.served.gguf_version"
+# How the latest serving of a run went (a RunStatus value: running, finished, interrupted, failed), and why it
+# stopped: the served/* metrics land in one batch with `finished`, so a run never holds half a serving.
+TAG_SERVED_STATUS, TAG_SERVED_REASON = "dflash_lab.served.state", "dflash_lab.served.reason"
 # MLflow's own tags, behind the UI's Description, Source and Created-by columns and the experiment's page.
 TAG_NOTE, TAG_SOURCE, TAG_USER = "mlflow.note.content", "mlflow.source.name", "mlflow.user"
 TAG_EXPERIMENT_KIND, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"

@@ -3,9 +3,11 @@
 # converter's Python need (sentencepiece) into ./.venv. Called by scripts/setup.sh (and so by .ci/run).
 #
 # The source is the llama.cpp tree vendored in the llama-cpp-python 0.3.36 sdist on the package index (downloaded
-# by version and checked by hash). The build lands in ${DFLASH_LAB_CACHE:-~/.cache/dflash-lab}/llama.cpp/<commit>;
-# a second run finds it there and builds nothing. Nothing is downloaded at run time: the server's prebuilt web UI
-# (fetched by llama.cpp's CMake from a hub by default) is switched off.
+# by version, or taken from LLAMA_CPP_SDIST on a machine without the index, and checked by hash). The build lands
+# in ${DFLASH_LAB_CACHE:-~/.cache/dflash-lab}/llama.cpp/<commit>, stamped with a COMMIT file written only after the
+# server linked: a second run finds a stamped build and builds nothing; a build cut short (Ctrl-C, a kill) has no
+# stamp and is finished on the next run (its half-linked binary removed first). Nothing is downloaded at run time:
+# the server's prebuilt web UI (fetched by llama.cpp's CMake from a hub by default) is switched off.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SDIST_VERSION=0.3.36
@@ -16,12 +18,21 @@ PY=.venv/bin/python
 PIP="$PY -m pip --disable-pip-version-check -q"
 started=$(date +%s)
 
-if [ ! -x "$ROOT/build/bin/llama-server" ]; then
+built() { [ "$(cat "$ROOT/COMMIT" 2>/dev/null)" = "$COMMIT" ] && [ -x "$ROOT/build/bin/llama-server" ]; }
+
+if ! built; then
+  if [ -d "$ROOT" ]; then
+    echo "llama.cpp ${COMMIT:0:9}: an earlier build in $ROOT did not finish (no COMMIT stamp): building it again"
+  fi
+  rm -f "$ROOT/COMMIT" "$ROOT/build/bin/llama-server"
   work=$(mktemp -d)
   trap 'rm -rf "$work"' EXIT
-  $PIP download --no-deps --no-binary :all: "llama-cpp-python==$SDIST_VERSION" -d "$work"
-  archive="$work/llama_cpp_python-$SDIST_VERSION.tar.gz"
-  echo "$SDIST_SHA256  $archive" | sha256sum --check --quiet
+  archive="${LLAMA_CPP_SDIST:-$work/llama_cpp_python-$SDIST_VERSION.tar.gz}"
+  [ -n "${LLAMA_CPP_SDIST:-}" ] || $PIP download --no-deps --no-binary :all: "llama-cpp-python==$SDIST_VERSION" -d "$work"
+  if ! echo "$SDIST_SHA256  $archive" | sha256sum --check --quiet >/dev/null 2>&1; then
+    echo "error: $archive is not the llama-cpp-python $SDIST_VERSION sdist (SHA-256 differs)" >&2
+    exit 1
+  fi
   tar -xzf "$archive" -C "$work"
   mkdir -p "$ROOT"
   rm -rf "$ROOT/src"

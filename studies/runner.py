@@ -472,7 +472,7 @@ class StudyRunner:
         study's prompts, compared with the harness cycle by cycle (once per run)."""
         if self.definition.serve is None:
             return
-        from harness.served import log_served, serve_and_compare
+        from harness.served import serve_run, served_status
         from harness.serving import find_engine
 
         engine = find_engine()
@@ -488,12 +488,19 @@ class StudyRunner:
             if name in self.study.user_attrs.get(ATTR_SERVED, []):
                 continue
             run = Run(self.workdir, name, tracking.experiment_name(self.definition.name))
-            draft = restore_draft(run.load_checkpoint(), self.workspace.target, self.device)
-            print(f"[serve] {name}: llama.cpp against the harness on the same prompts", flush=True)
-            served = serve_and_compare(
-                engine, run, self.workspace.target, draft, self.workspace.data.validation, self.definition.evaluation
-            )
-            log_served(run, engine, *served)
+            state = run.load_checkpoint()  # and the run's MLflow id with it
+            # served/* landed, but a kill came before the study noted it: served once is enough
+            if served_status(run) is not RunStatus.FINISHED:
+                draft = restore_draft(state, self.workspace.target, self.device)
+                print(f"[serve] {name}: llama.cpp against the harness on the same prompts", flush=True)
+                serve_run(
+                    engine,
+                    run,
+                    self.workspace.target,
+                    draft,
+                    self.workspace.data.validation,
+                    self.definition.evaluation,
+                )
             self.study.set_user_attr(ATTR_SERVED, [*self.study.user_attrs.get(ATTR_SERVED, []), name])
 
     def finalize(self) -> dict:
@@ -733,6 +740,10 @@ def launch(
         runner.optimize()
         for process in workers:
             process.wait()
+        if not worker:
+            runner.run_baselines(wait=True)  # those another launcher held, or a dead launcher left
+            runner.evaluate_best()
+            runner.serve_best()
     except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM: the workers stop too, each recording its trial
         for process in workers:
             process.terminate()
@@ -742,11 +753,13 @@ def launch(
             reason = str(stop) or type(stop).__name__
             tracking.mark_status(tracking.client(workdir), parent, RunStatus.INTERRUPTED, reason)
         raise
+    except Exception as error:  # a failed evaluation or serving step: the parent is not left running
+        if not worker:
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            tracking.mark_status(tracking.client(workdir), parent, RunStatus.FAILED, reason)
+        raise
     if worker:
         return {"study": definition.name, "worker": True}
-    runner.run_baselines(wait=True)  # those another launcher held, or a dead launcher left
-    runner.evaluate_best()
-    runner.serve_best()
     summary = runner.finalize()
     tracking.mark_status(tracking.client(workdir), parent, RunStatus.FINISHED)
     return summary

@@ -72,6 +72,13 @@ def test_train_on_a_read_only_workdir_ends_in_one_line_at_once_with_no_target_lo
     assert "pass another --workdir" in line
 
 
+@pytest.mark.parametrize("command", [["evaluate", "some-run", "--engine", "llama.cpp"], ["serve", "some-run"]])
+def test_serving_on_a_read_only_workdir_is_refused_before_any_conversion(cli, read_only, made, command):
+    """Nothing is converted, and no partial GGUF written, into a work directory that cannot be written."""
+    line = one_line(cli([*command, "--workdir", str(read_only(made))]))
+    assert line.startswith(f"error: invalid --workdir='{made}': the work directory is not writable")
+
+
 def test_study_launch_on_an_empty_read_only_workdir_names_the_workdir_not_the_storage(cli, read_only, made):
     line = one_line(cli(["study", "launch", "studies/default.yaml", "--workdir", str(read_only(made))]))
     assert "invalid --workdir=" in line and "not writable" in line and "--storage" not in line

@@ -2,11 +2,28 @@
 behave like llama.cpp's converter and server where it matters); the real engine's end-to-end test is in
 tests/test_decode_e2e.py."""
 
+import json
+import os
+import signal
+import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
-from harness.serving import Engine, EngineError, LlamaServer, find_engine, free_port, to_gguf
+from harness.serving import (
+    STAMP_SUFFIX,
+    Engine,
+    EngineError,
+    LlamaServer,
+    find_engine,
+    free_port,
+    gguf_problem,
+    stop_orphans,
+    to_gguf,
+)
 
 from conftest import tiny_draft
 
@@ -26,13 +43,34 @@ if str(port) == os.environ.get("FAKE_BUSY_PORT"):
 class Health(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers(); self.wfile.write(b'{{"status": "ok"}}')
+    def do_POST(self):  # a request: FAKE_MODE=crash dies in it as a crashed server would
+        if os.environ.get("FAKE_MODE") == "crash":
+            print("GGML_ASSERT(n_tokens > 0) failed", flush=True)
+            os._exit(134)
+        self.send_response(200); self.end_headers(); self.wfile.write(b'{{"tokens": [1], "timings": {{}}}}')
     def log_message(self, *args):
         pass
 http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
 
+# A stand-in converter: fails as the real one does without --target-model-dir; with FAKE_CONVERT=ok writes a small
+# GGUF (counting its conversions in FAKE_CONVERT_COUNT), with FAKE_CONVERT=full runs out of disk half way.
 FAKE_CONVERTER = """\
-import sys
+import os, sys, time
+args = sys.argv[1:]
+mode = os.environ.get("FAKE_CONVERT")
+if mode == "ok":
+    with open(os.environ["FAKE_CONVERT_COUNT"], "a") as count:
+        count.write("converted\\n")
+    time.sleep(float(os.environ.get("FAKE_CONVERT_SECONDS", "0")))
+    with open(args[args.index("--outfile") + 1], "wb") as out:
+        out.write(b"GGUF" + bytes(range(256)) * 64)
+    sys.exit(0)
+if mode == "full":
+    with open(args[args.index("--outfile") + 1], "wb") as out:
+        out.write(b"GGUF" + bytes(1000))
+    print("OSError: [Errno 28] No space left on device", file=sys.stderr)
+    sys.exit(1)
 print("INFO:hf-to-gguf:Loading model: draft", file=sys.stderr)
 print("ValueError: DFlash draft model requires --target-model-dir to be specified.", file=sys.stderr)
 sys.exit(1)
@@ -73,14 +111,14 @@ def test_a_failed_conversion_names_what_and_the_converters_last_line(engine, tmp
         "converting run my-run to GGUF failed: "
         "ValueError: DFlash draft model requires --target-model-dir to be specified."
     )
-    assert not list(tmp_path.glob("draft.gguf*")), "no half-written GGUF is left"
+    assert [p.name for p in tmp_path.glob("draft.gguf*")] == ["draft.gguf.lock"], "no half-written GGUF is left"
 
 
 def test_a_server_that_does_not_start_gives_its_last_log_lines_and_leaves_nothing_running(
     engine, tmp_path, monkeypatch
 ):
     monkeypatch.setenv("FAKE_MODE", "broken")
-    server = LlamaServer(engine, tmp_path / "model.gguf", tmp_path / "server.log")
+    server = LlamaServer(engine, tmp_path / "model.gguf", tmp_path / "server.log", tmp_path / "servers")
     with pytest.raises(EngineError, match=r"exited with status 1: .*error loading model.*exiting due to model"), server:
         pass
     assert server.process is None
@@ -89,7 +127,9 @@ def test_a_server_that_does_not_start_gives_its_last_log_lines_and_leaves_nothin
 def test_a_taken_port_moves_to_another(engine, tmp_path, monkeypatch):
     busy = free_port()
     monkeypatch.setenv("FAKE_BUSY_PORT", str(busy))
-    with LlamaServer(engine, tmp_path / "model.gguf", tmp_path / "server.log", port=busy) as server:
+    with LlamaServer(
+        engine, tmp_path / "model.gguf", tmp_path / "server.log", tmp_path / "servers", port=busy
+    ) as server:
         assert server.port != busy and server.process.poll() is None
         process = server.process
     assert process.poll() is not None, "the server is stopped on leaving the block"
@@ -127,3 +167,177 @@ def test_the_served_log_line_pattern_reads_the_real_servers_lines():
     line = "0.24.561.702 I slot   operator(): id  0 | task 12 | accepted  3/ 7 draft tokens"
     found = CYCLE_LINE.search(line)
     assert (found["task"], found["accepted"], found["drafted"]) == ("12", "3", "7")
+
+
+# ---- the served path under kills and bad files (docs/faults.md, "The serving engine") ----------------------
+
+
+def gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process `pid` has ended (a zombie counts: it runs nothing and holds no port)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+STARTS_A_SERVER = """\
+import sys, time
+from pathlib import Path
+from harness.serving import LlamaServer, find_engine
+work = Path(sys.argv[1])
+server = LlamaServer(find_engine(), work / "model.gguf", work / "server.log", work / "servers")
+server.__enter__()
+print(server.process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_server_dies_with_the_process_that_started_it_even_under_sigkill(engine, tmp_path):
+    parent = subprocess.Popen(
+        [sys.executable, "-c", STARTS_A_SERVER, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=os.environ
+    )
+    server_pid = int(parent.stdout.readline())
+    assert not gone(server_pid, within_s=0.5)
+    parent.kill()
+    parent.wait()
+    assert gone(server_pid), "the kernel's parent-death signal ends the server with its parent"
+
+
+def test_a_later_start_stops_a_server_that_a_dead_process_left_and_keeps_a_live_ones(engine, tmp_path):
+    """Where the parent-death signal did not fire (another OS, a start that raced the parent's death), the record
+    in the work directory lets the next start find the orphan and stop it."""
+    records = tmp_path / "servers"
+    records.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan = subprocess.Popen([str(engine.server), "--port", str(free_port())], start_new_session=True)
+    kept = subprocess.Popen([str(engine.server), "--port", str(free_port())], start_new_session=True)
+    try:
+        (records / f"{orphan.pid}.json").write_text(json.dumps({"pid": orphan.pid, "owner": dead.pid, "port": 1}))
+        (records / f"{kept.pid}.json").write_text(json.dumps({"pid": kept.pid, "owner": os.getpid(), "port": 2}))
+        with LlamaServer(engine, tmp_path / "model.gguf", tmp_path / "server.log", records) as server:
+            assert orphan.wait(timeout=10) == -signal.SIGKILL, "the orphan is stopped"
+            assert kept.poll() is None, "a server whose process still runs is not an orphan"
+            assert sorted(p.name for p in records.iterdir()) == sorted(
+                [f"{kept.pid}.json", f"{server.process.pid}.json"]
+            )
+        assert sorted(p.name for p in records.iterdir()) == [f"{kept.pid}.json"], "a stopped server's record goes"
+        assert stop_orphans(records) == []
+    finally:
+        for process in (orphan, kept):
+            process.kill()
+            process.wait()
+
+
+def test_a_server_that_dies_mid_request_ends_in_one_line_with_its_last_log_lines(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_MODE", "crash")
+    server = LlamaServer(engine, tmp_path / "model.gguf", tmp_path / "server.log", tmp_path / "servers")
+    with server, pytest.raises(EngineError) as died:
+        server.complete([1, 2, 3], 8)
+    message = str(died.value)
+    assert len(message.splitlines()) == 1
+    assert message.startswith("llama-server died during a request (exited with status 134): ")
+    assert "GGML_ASSERT(n_tokens > 0) failed" in message and str(tmp_path / "server.log") in message
+    assert server.process is None and not list((tmp_path / "servers").iterdir())
+
+
+def test_a_non_executable_or_missing_server_names_the_setup_command(engine, cli, tmp_path):
+    engine.server.chmod(0o644)
+    result = cli(["evaluate", "some-run", "--engine", "llama.cpp", "--workdir", str(tmp_path / "work")])
+    (line,) = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and "llama-server is not executable" in line and "bash scripts/setup.sh" in line
+    engine.server.unlink()
+    result = cli(["evaluate", "some-run", "--engine", "llama.cpp", "--workdir", str(tmp_path / "work")])
+    (line,) = result.stderr.strip().splitlines()
+    assert "llama-server is missing" in line and "bash scripts/setup.sh" in line
+
+
+def test_a_build_without_its_commit_stamp_is_not_a_build(engine):
+    """scripts/llama_cpp.sh writes COMMIT last: a build cut short (Ctrl-C, a kill) is never found as complete."""
+    (engine.root / "COMMIT").unlink()
+    with pytest.raises(EngineError, match="llama-server is not built under .* allowed after `bash scripts/setup.sh`"):
+        find_engine()
+
+
+def test_the_build_script_redoes_a_build_that_did_not_finish(engine, tmp_path):
+    """A server binary without the COMMIT stamp (a build killed while linking) makes the script build again; here
+    the source it is given fails its hash check, which shows it did not take the half build as done."""
+    (engine.root / "COMMIT").unlink()
+    bogus = tmp_path / "llama_cpp_python-0.3.36.tar.gz"
+    bogus.write_bytes(b"not the sdist")
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "DFLASH_LAB_CACHE": str(engine.root.parent.parent), "LLAMA_CPP_SDIST": str(bogus)}
+    done = subprocess.run(["bash", "scripts/llama_cpp.sh"], cwd=root, env=env, capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "did not finish (no COMMIT stamp): building it again" in done.stdout
+    assert f"{bogus} is not the llama-cpp-python 0.3.36 sdist (SHA-256 differs)" in done.stderr
+    assert not engine.server.exists(), "the half build's binary is never left to be found"
+
+
+@pytest.fixture
+def converting(engine, tmp_path, monkeypatch) -> Path:
+    """FAKE_CONVERT=ok; returns the file that counts the conversions."""
+    count = tmp_path / "conversions"
+    monkeypatch.setenv("FAKE_CONVERT", "ok")
+    monkeypatch.setenv("FAKE_CONVERT_COUNT", str(count))
+    return count
+
+
+def conversions(count: Path) -> int:
+    return len(count.read_text().splitlines()) if count.exists() else 0
+
+
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda path: path.write_bytes(path.read_bytes()[:100]), "its size is 100 bytes"),
+        (lambda path: path.write_bytes(bytes(path.stat().st_size)), "its header is not GGUF"),
+        (lambda path: path.write_bytes(path.read_bytes()[:-1] + b"x"), "its checksum differs"),
+        (lambda path: path.with_name(path.name + STAMP_SUFFIX).unlink(), "it has no checksum stamp"),
+    ],
+    ids=["truncated", "zeroed", "changed", "unstamped"],
+)
+def test_a_damaged_cached_gguf_is_detected_and_rebuilt_never_served(engine, converting, tmp_path, damage, problem):
+    out = tmp_path / "served" / "target-f32.gguf"
+    to_gguf(engine, tmp_path, out, "the target")
+    assert gguf_problem(out) is None and conversions(converting) == 1
+    to_gguf(engine, tmp_path, out, "the target")
+    assert conversions(converting) == 1, "a sound cached file is used as it is"
+    damage(out)
+    assert problem in gguf_problem(out)
+    to_gguf(engine, tmp_path, out, "the target")
+    assert conversions(converting) == 2 and gguf_problem(out) is None
+
+
+def test_two_processes_converting_one_file_convert_it_once_and_never_read_it_half_written(
+    engine, converting, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("FAKE_CONVERT_SECONDS", "1")
+    out = tmp_path / "served" / "target-f32.gguf"
+    sizes = []
+
+    def convert() -> None:
+        sizes.append(to_gguf(engine, tmp_path, out, "the target").stat().st_size)
+
+    threads = [threading.Thread(target=convert) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert conversions(converting) == 1 and len(set(sizes)) == 1 and sizes[0] == out.stat().st_size
+    assert gguf_problem(out) is None
+
+
+def test_a_disk_that_fills_during_conversion_leaves_no_file_to_reuse(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_CONVERT", "full")
+    out = tmp_path / "served" / "draft-f32.gguf"
+    with pytest.raises(EngineError) as failed:
+        to_gguf(engine, tmp_path, out, "run my-run")
+    assert str(failed.value) == "converting run my-run to GGUF failed: OSError: [Errno 28] No space left on device"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["draft-f32.gguf.lock"], "no partial GGUF, no stamp"
