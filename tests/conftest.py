@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -320,3 +322,37 @@ def mlflow_server(backend_store_uri: str, *options: str):
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+
+
+def gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process `pid` has ended within `within_s` (a zombie counts: it runs nothing and holds no port)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def started_server(workdir: Path, process: subprocess.Popen, log: Path | None = None, timeout_s: float = 600) -> int:
+    """The pid of the llama-server that `process` (a dflash-lab command) started in `workdir`, once it is recorded
+    there and, with `log`, once that server's log shows a request being processed."""
+    from harness.run import server_records
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the command ended ({process.returncode}) before its server started"
+        for path in server_records(workdir).glob("*.json"):
+            record = json.loads(path.read_text())
+            if record["owner"] == process.pid and (log is None or "launch_slot_" in _text(log)):
+                return record["pid"]
+        time.sleep(0.05)
+    raise AssertionError(f"no llama-server of process {process.pid} within {timeout_s} s")
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""

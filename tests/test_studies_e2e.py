@@ -23,7 +23,7 @@ from harness.devices import computes_in
 from reports.render import GENERATED_PREFIX
 from studies.storage import ATTR_INFEASIBLE, ATTR_RUN_ID, ATTR_WORKER, storage_url
 
-from conftest import link_caches, mlflow_server
+from conftest import gone, link_caches, mlflow_server, started_server
 
 pytestmark = pytest.mark.slow
 TINY = Path(__file__).parent / "data" / "tiny_study.yaml"
@@ -695,6 +695,53 @@ def test_sigterm_to_a_study_records_the_trial_interrupted_and_a_relaunch_resumes
     reopened = client.get_run(parent.info.run_id)  # reopened by the relaunch, then finished by it
     assert reopened.info.status == "FINISHED" and reopened.data.tags[tracking.TAG_STATUS] == "finished"
     assert len(client.get_metric_history(parent.info.run_id, "best/realized_accepted_length")) == 1
+
+
+def test_sigterm_in_a_studys_serving_step_stops_the_server_and_a_relaunch_serves_once(
+    e2e_workspace, e2e_workdir, tmp_path
+):
+    """The study's serving step (evaluate.serve) stopped mid-request: the server stops, the parent and the served
+    run read interrupted, nothing served is logged; a relaunch serves the run once, and a further one not again."""
+    study_file = _study_file(
+        tmp_path,
+        "served-stop",
+        **{
+            "conv_group_size: [16, 7]": "conv_group_size: [16]",
+            "selector_rank: [8, 16]": "selector_rank: [8]",
+            "baselines: [dflash, dflash2_defaults]": "baselines: []",
+            "n_trials: 4": "n_trials: 1",
+            "evaluate: {best_trials: 0, num_prompts: 2, max_new_tokens: 16": (
+                "evaluate: {best_trials: 0, serve: llama.cpp, num_prompts: 1, max_new_tokens: 64"
+            ),
+        },
+    )
+    args = [*CLI, "study", "launch", str(study_file), "--workdir", str(e2e_workdir), "--no-report"]
+    process = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    log = e2e_workdir / "runs" / "served-stop-trial-0" / "served" / "server-draft.log"
+    server = started_server(e2e_workdir, process, log=log)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("error: terminated (SIGTERM)")
+    assert gone(server)
+    client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
+    experiment = client.get_experiment_by_name("dflash-lab/served-stop").experiment_id
+    (parent,) = client.search_runs([experiment], "tags.`dflash_lab.role` = 'study'")
+    assert parent.info.status == "KILLED" and parent.data.tags[tracking.TAG_STATUS] == "interrupted"
+    (run,) = client.search_runs([experiment], "tags.`dflash_lab.role` = 'trial'")
+    assert run.data.tags[tracking.TAG_SERVED_STATUS] == "interrupted"
+    assert not [key for key in run.data.metrics if key.startswith(tracking.SERVED_PREFIX)]
+
+    relaunched = _launch(study_file, e2e_workdir, "--no-report", cwd=tmp_path)
+    assert relaunched.returncode == 0, relaunched.stderr[-3000:]
+    assert "[serve] served-stop-trial-0" in relaunched.stdout and "[trial" not in relaunched.stdout
+    metric = f"{tracking.SERVED_PREFIX}agreement_cycle_fraction"
+    assert len(client.get_metric_history(run.info.run_id, metric)) == 1
+    assert client.get_run(run.info.run_id).data.tags[tracking.TAG_SERVED_STATUS] == "finished"
+    assert client.get_run(parent.info.run_id).info.status == "FINISHED"
+    again = _launch(study_file, e2e_workdir, "--no-report", cwd=tmp_path)
+    assert again.returncode == 0 and "[serve]" not in again.stdout
+    assert len(client.get_metric_history(run.info.run_id, metric)) == 1
 
 
 def test_deleted_runs_are_named_in_the_report_and_a_deleted_parent_refuses_a_relaunch(launched, e2e_workdir, tmp_path):
