@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -210,7 +211,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.run_name is not None:
         check_run_name(args.run_name, "--run-name")
-    config = resolve_run_config(args)
+    if getattr(args, "train.branch_of", None) is not None:
+        config = branch_run_config(args)
+        args.run_name = args.run_name or f"{config.train.branch_of}-decay{config.train.max_steps}"
+    else:
+        config = resolve_run_config(args)
     if args.dry_run:
         print(json.dumps(dry_run(config, args.workdir), indent=2))
         return 0
@@ -233,6 +238,40 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"MLflow run {result.run_id}; outputs in {result.run_dir}")
         print(tracking.ui_hint(args.workdir, tracking.DEFAULT_EXPERIMENT))
     return 0
+
+
+def branch_run_config(args: argparse.Namespace):
+    """A WSD branch takes every knob from its parent run (its config.json); only --max-steps, its budget, and
+    --run-name are its own."""
+    import dataclasses
+
+    from harness.config import RunConfig
+    from harness.knob_flags import flag_overrides
+    from harness.run import CONFIG_FILE, Run, check_run_name
+
+    parent = check_run_name(getattr(args, "train.branch_of"), "--branch-of")
+    overrides = flag_overrides(args)
+    given = sorted(f"{section}.{name}" for section, values in overrides.items() for name in values)
+    own = [name for name in given if name not in ("train.max_steps", "train.branch_of")]
+    others = own + [f"--{name}" for name in ("config", "algorithm", "target", "preset") if getattr(args, name)]
+    if others:
+        raise SystemExit(
+            f"error: invalid --branch-of={parent!r} with {others[0]}: a branch takes every knob from the run it "
+            "branches from; allowed --max-steps (its budget) and --run-name"
+        )
+    if "train.max_steps" not in given:
+        raise SystemExit(f"error: invalid --branch-of={parent!r}: allowed with --max-steps, the branch's budget")
+    path = Run(args.workdir, parent).path(CONFIG_FILE)
+    if not path.is_file():
+        raise SystemExit(f"error: invalid --branch-of={parent!r}: no run of that name in {args.workdir}")
+    stored = RunConfig.from_dict(json.loads(path.read_text()))
+    train = dataclasses.replace(stored.train, max_steps=overrides["train"]["max_steps"], branches=[], branch_of=parent)
+    branch = dataclasses.replace(stored, train=train)
+    try:
+        branch.validate()
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    return branch
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
@@ -366,11 +405,34 @@ def evaluate_served(engine, run, workspace, draft, eval_config) -> int:
         "tokens_per_s_draft",
         "tokens_per_s_alone",
         "speedup",
+        "break_even_accepted_length",
+        "break_even_accepted_length_low",
+        "break_even_accepted_length_high",
+        "break_even_shortfall",
+        "cycle_cost_plain_tokens",
     ):
         print(f"{tracking.SERVED_PREFIX}{name}: {metrics[name]:.4f}")
+    print(served_verdict(metrics))
     print(f"llama.cpp {engine.commit[:9]}; per-request records in {run.path(SERVED_RECORDS_FILE)}")
     print(f"MLflow UI: {tracking.run_link(run.workdir, run.run_id)}")
     return 0
+
+
+def served_verdict(metrics: dict[str, float]) -> str:
+    """One line: the served accepted length against the break-even of the draft's shape on this machine."""
+    served, needed = metrics["accepted_length_greedy"], metrics["break_even_accepted_length"]
+    if math.isinf(needed):
+        return (
+            f"served accepted length {served:.2f}: this draft's shape does not pay for itself on this machine even "
+            f"when every draft is accepted (a cycle costs {metrics['cycle_cost_plain_tokens']:.2f} plain tokens)"
+        )
+    if served >= needed:
+        return f"served accepted length {served:.2f} is above the break-even {needed:.2f}: the draft pays for itself"
+    return (
+        f"served accepted length {served:.2f}; break-even on this machine {needed:.2f} "
+        f"[{metrics['break_even_accepted_length_low']:.2f}, {metrics['break_even_accepted_length_high']:.2f}]: "
+        f"{needed - served:.2f} accepted tokens per cycle short of paying for itself"
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from algorithms.knobs import build_section, check_section, flat_section, knob, k
 from harness.data import DataConfig
 
 OPTIMIZERS = ("adamw",)
-SCHEDULES = ("linear", "cosine")
+SCHEDULES = ("linear", "cosine", "wsd")
 PRECISIONS = ("auto", "fp32", "bf16")
 CACHE_FEATURES, ONLINE_FEATURES = "cache", "online"
 CONFIG_SECTION = "config section"  # the knob name of an unknown top-level key, which only a config file can set
@@ -29,7 +30,18 @@ class TrainConfig:
     learning_rate: float = knob(1e-3, "peak learning rate", flag="--lr")
     weight_decay: float = knob(0.01, "AdamW weight decay")
     warmup_ratio: float = knob(0.01, "share of the steps spent in linear warmup")
-    schedule: str = knob("linear", "decay after warmup", choices=SCHEDULES)
+    schedule: str = knob(
+        "linear", "after warmup: linear or cosine decay to 0, or wsd (constant, then a linear decay)", choices=SCHEDULES
+    )
+    decay_ratio: float = knob(0.15, "wsd: the share of the steps in the final decay to 0")
+    branches: list[int] = knob(
+        [],
+        "wsd: shorter budgets to branch from this run: a checkpoint of the stable stretch is kept where each "
+        "budget's decay starts, and `train --branch-of RUN --max-steps B` anneals it to B",
+    )
+    branch_of: str | None = knob(
+        None, "the wsd run this one branches from: it starts from that run's stable checkpoint and decays to max_steps"
+    )
     max_steps: int = knob(300, "optimizer steps")
     grad_clip: float = knob(1.0, "gradient norm clip")
     seed: int = knob(0, "seed of the init, the anchors and the row order")
@@ -65,6 +77,48 @@ class TrainConfig:
             raise knob_error("grad_clip", self.grad_clip, "a number > 0")
         if self.weight_decay < 0:
             raise knob_error("weight_decay", self.weight_decay, "a number >= 0")
+        self.validate_wsd()
+
+    def validate_wsd(self) -> None:
+        """WSD's knobs: a decay share in (0, 1); branches and branch_of only with it; each branch a shorter budget
+        whose decay starts after this run's warmup."""
+        if not 0 < self.decay_ratio < 1:
+            raise knob_error("decay_ratio", self.decay_ratio, "a number in (0, 1)")
+        if self.schedule != "wsd" and (self.branches or self.branch_of):
+            name, value = ("branches", self.branches) if self.branches else ("branch_of", self.branch_of)
+            raise knob_error(name, value, "only with schedule: wsd (whose stable stretch a branch starts from)")
+        warmup = warmup_steps(self.max_steps, self.warmup_ratio)
+        for budget in self.branches:
+            start = budget - decay_steps(budget, self.decay_ratio)
+            if not warmup <= start or not budget < self.max_steps:
+                raise knob_error(
+                    "branches",
+                    self.branches,
+                    f"budgets below max_steps={self.max_steps} whose decay starts after the warmup's {warmup} steps "
+                    f"({budget} would start its decay at step {start})",
+                )
+
+
+def warmup_steps(total: int, warmup_ratio: float) -> int:
+    return max(1, math.ceil(total * warmup_ratio)) if warmup_ratio > 0 else 0
+
+
+def decay_steps(total: int, decay_ratio: float) -> int:
+    """WSD's decay length at a budget of `total` steps; a branch for that budget starts at total - decay_steps."""
+    return max(1, round(total * decay_ratio))
+
+
+def learning_rate_factor(step: int, total: int, warmup_ratio: float, schedule: str, decay_ratio: float = 0.15) -> float:
+    """Linear warmup, then linear or cosine decay to 0, or WSD: constant until the last `decay_ratio` of the steps,
+    then linear to 0 (Hägele et al. 2024), so a checkpoint of the constant stretch can be annealed at any budget."""
+    warmup = warmup_steps(total, warmup_ratio)
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "wsd":
+        decay = decay_steps(total, decay_ratio)
+        return 1.0 if step < total - decay else max(0.0, (total - step) / decay)
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 1 - progress) if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 @dataclass

@@ -32,6 +32,7 @@ from harness.tracking import RunStatus
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
+STABLE_CHECKPOINT_FILE = "stable-step{step}.pt"  # a WSD run's stable-stretch checkpoint, where a branch starts
 RUN_FILE = "run.json"  # the MLflow run id, written when the run starts (before any checkpoint)
 LOCK_FILE = ".lock"  # held (flock) by the one process training the run
 CONFIG_FILE = "config.json"
@@ -147,6 +148,9 @@ class Run:
     def has_checkpoint(self) -> bool:
         return self.checkpoint_path.exists()
 
+    def stable_checkpoint_path(self, step: int) -> Path:
+        return self.path(STABLE_CHECKPOINT_FILE.format(step=step))
+
     def exists(self) -> bool:
         """Whether a run was started here (it may have been killed before its first checkpoint)."""
         return self.path(RUN_FILE).exists() or self.has_checkpoint()
@@ -162,30 +166,31 @@ class Run:
             return False
         return bool(tracking.client(self.workdir).get_run(run_id).data.metrics)
 
-    def save_checkpoint(self, state: dict) -> None:
+    def save_checkpoint(self, state: dict, path: Path | None = None) -> None:
         """Atomic: a kill mid-write, or a full disk, leaves the previous checkpoint intact."""
         self.directory.mkdir(parents=True, exist_ok=True)
+        path = path or self.checkpoint_path
         try:
-            atomic_write(self.checkpoint_path, lambda tmp: torch.save(state, tmp))
+            atomic_write(path, lambda tmp: torch.save(state, tmp))
         except (OSError, RuntimeError) as error:  # torch's zip writer reports a full disk as a RuntimeError
             kept = "the previous checkpoint is kept" if self.has_checkpoint() else "no earlier checkpoint exists"
             raise CheckpointNotSaved(
-                f"checkpoint {self.checkpoint_path} could not be written ({type(error).__name__}: "
+                f"checkpoint {path} could not be written ({type(error).__name__}: "
                 f"{str(error).splitlines()[0] if str(error) else 'no detail'}); {kept}: free disk space, then "
                 "`train ... --resume` continues the run"
             ) from None
 
-    def load_checkpoint(self) -> dict:
-        if not self.has_checkpoint():
+    def load_checkpoint(self, path: Path | None = None) -> dict:
+        path = path or self.checkpoint_path
+        if not path.exists():
             raise FileNotFoundError(
-                f"no checkpoint at {self.checkpoint_path}; pass a run directory or a run name under "
-                f"{runs_root(self.workdir)}"
+                f"no checkpoint at {path}; pass a run directory or a run name under {runs_root(self.workdir)}"
             )
         try:
-            state = torch.load(self.checkpoint_path, weights_only=False)
+            state = torch.load(path, weights_only=False)
         except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as error:
             raise ValueError(
-                f"checkpoint {self.checkpoint_path} is unreadable ({type(error).__name__}: "
+                f"checkpoint {path} is unreadable ({type(error).__name__}: "
                 f"{str(error).splitlines()[0] if str(error) else 'empty'}); restore it from the MLflow run's "
                 f"checkpoint artifact, or remove {self.directory} and train under a new --run-name"
             ) from None

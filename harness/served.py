@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from algorithms.dflash import DFlashDraft
 from algorithms.registry import Algorithm
-from harness import devices, tracking
+from harness import break_even, devices, tracking
 from harness.config import EvalConfig
 from harness.decode import speculative_generate, target_greedy
 from harness.evaluate import chat_prompt_ids, mtbench_questions, prompt_ids, temperature_tag
@@ -200,7 +200,24 @@ def serve_and_compare(
     metrics = served_metrics(served, alone, records)
     for temperature in temperatures[1:]:
         metrics.update(harness_sampled(target, draft, prompt_sets, temperature, config))
+    metrics.update(break_even_metrics(engine, run, target, draft, prompt_sets["mtbench"], config))
+    metrics["break_even_shortfall"] = metrics["break_even_accepted_length"] - metrics["accepted_length_greedy"]
     return metrics, records
+
+
+def break_even_metrics(
+    engine: Engine, run: Run, target: Target, draft: DFlashDraft, prompts: list, config: EvalConfig
+) -> dict[str, float]:
+    """The draft's shape at synthetic accepted lengths on this machine (harness/break_even.py): where it would
+    start to pay for itself."""
+    target_gguf, draft_gguf = gguf_files(engine, run, draft, target)
+    block = draft.block_size - draft.shared.first_draft_slot
+    spec_type = draft.algorithm.entry.export_format.serve_as
+    logs, records = run.path(SERVED_DIR), server_records(run.workdir)
+    found = break_even.measure(
+        engine, target_gguf, draft_gguf, block, spec_type, prompts, config.max_new_tokens, logs, records
+    )
+    return found.metrics()
 
 
 def harness_sampled(target: Target, draft: DFlashDraft, prompt_sets: dict, temperature: float, config) -> dict:

@@ -283,9 +283,13 @@ class LlamaServer:
         spec_type: str = "draft-dflash",
         threads: int | None = None,
         port: int | None = None,
+        synthetic_length: float | None = None,
     ) -> None:
         self.engine, self.model, self.draft, self.log_path = engine, model, draft, log_path
         self.records = records
+        # llama.cpp's --spec-synth-len: the real draft and verify run, the accept decision is drawn to reach this
+        # mean accepted length (benchmarking only: the output is not the target's)
+        self.synthetic_length = synthetic_length
         self.draft_tokens, self.spec_type = draft_tokens, spec_type
         self.threads = threads or max(1, os.cpu_count() or 1)
         self.port = port
@@ -301,6 +305,8 @@ class LlamaServer:
         if self.draft is not None:
             command += ["-md", str(self.draft), "--spec-type", self.spec_type]
             command += ["--spec-draft-n-max", str(self.draft_tokens), "--spec-draft-p-min", "0"]
+            if self.synthetic_length is not None:
+                command += ["--spec-synth-len", f"{self.synthetic_length:g}"]
         return command
 
     @property
@@ -401,8 +407,11 @@ class LlamaServer:
         how = f"killed by signal {-status}" if status < 0 else f"exited with status {status}"
         return EngineError(f"llama-server died during a request ({how}): {self.log_tail()} (log: {self.log_path})")
 
-    def complete(self, prompt: list[int], n_predict: int, temperature: float = 0.0, seed: int = 0) -> Completion:
-        """One request as token ids; sampling at T > 0 is plain temperature sampling (no top-k/top-p/min-p)."""
+    def complete(
+        self, prompt: list[int], n_predict: int, temperature: float = 0.0, seed: int = 0, ignore_eos: bool = False
+    ) -> Completion:
+        """One request as token ids; sampling at T > 0 is plain temperature sampling (no top-k/top-p/min-p);
+        `ignore_eos` decodes all `n_predict` tokens (a timing that does not depend on where the text ends)."""
         offset = self.log_path.stat().st_size
         body = {
             "prompt": prompt,
@@ -414,6 +423,7 @@ class LlamaServer:
             "seed": seed,
             "cache_prompt": False,
             "return_tokens": True,
+            "ignore_eos": ignore_eos,
         }
         request = urllib.request.Request(
             f"{self.url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -31,7 +30,7 @@ from algorithms.metrics import (
     pool,
 )
 from harness import tracking
-from harness.config import ONLINE_FEATURES, RunConfig
+from harness.config import ONLINE_FEATURES, RunConfig, decay_steps, learning_rate_factor
 from harness.data import PreparedData, prepare_documents
 from harness.devices import autocast, computes_in, generator, synchronize, to_device, uses_bf16
 from harness.distributed import SINGLE, Ranks, full_state, load_full_state, plain_number, shard, unsharded_copy
@@ -146,16 +145,6 @@ def restore_draft(state: dict, target: Target, device: str = "cpu") -> DFlashDra
     return draft
 
 
-def learning_rate_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
-    """Linear warmup, then linear or cosine decay to 0."""
-    warmup = max(1, math.ceil(total * warmup_ratio)) if warmup_ratio > 0 else 0
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return max(0.0, 1 - progress) if schedule == "linear" else 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-@torch.no_grad()
 def draft_step_ms(draft: DFlashDraft, rows: list[PackedRow], device: str, repeats: int = 8) -> float:
     """Median wall time of one inference draft step (one block over real validation context)."""
     draft.eval()
@@ -289,9 +278,14 @@ class TrainingRecipe:
         )
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
-            lambda step: learning_rate_factor(step, train.max_steps, train.warmup_ratio, train.schedule),
+            lambda step: learning_rate_factor(
+                step, train.max_steps, train.warmup_ratio, train.schedule, train.decay_ratio
+            ),
         )
         self.anchor_generator = generator("cpu", train.seed)  # anchors are drawn on the host, like the rows
+        # WSD: where each branch's decay starts, a checkpoint of the stable stretch is kept for it
+        self.stable_steps = {budget - decay_steps(budget, train.decay_ratio) for budget in train.branches}
+        self.branched_at: int | None = None
         self.watch = LossWatch(self.device)
         self.tokens_since_log: tuple[int, int] = (0, 0)
         self.grad_norm = torch.zeros((), device=self.device)
@@ -300,27 +294,67 @@ class TrainingRecipe:
     def resume(self) -> None:
         """Continue from the run's checkpoint, which must come from the same config; any world size may
         resume it (rank 0 reads it and hands every rank its part)."""
-        state = self.run.load_checkpoint() if self.ranks.is_main else {}
-        error = self.config_change(state) if self.ranks.is_main else None
-        error = self.ranks.from_main(error)
+        state = self.restore(self.run.load_checkpoint() if self.ranks.is_main else {}, self.config_change)
+        self.run.run_id = state["run_id"]  # every rank's result names the run
+        self.unflushed = [entry for entry in state.get("pending_metrics", []) if entry[0]]
+        log.info("resuming %s at step %d (MLflow run %s)", self.run.name, self.start_step, self.run.run_id)
+
+    def restore(self, state: dict, mismatch: Callable[[dict], str | None]) -> dict:
+        """Rank 0's checkpoint `state`, refused with `mismatch`'s one-line reason if it has one, into every rank's
+        draft, optimizer, schedule and anchor stream; returns the rest of it, which every rank receives."""
+        error = self.ranks.from_main(mismatch(state) if self.ranks.is_main else None)
         if error:
             raise ValueError(error)
         load_full_state(self.draft, self.optimizer, state.get("model", {}), state.get("optimizer", {}), self.ranks)
         state = self.ranks.from_main({k: v for k, v in state.items() if k not in ("model", "optimizer")})
-        self.run.run_id = state["run_id"]  # every rank's result names the run
         self.schedule.load_state_dict(state["scheduler"])
         self.anchor_generator.set_state(state["anchor_generator"])
         self.start_step, self.history = state["step"], state["history"]
-        self.unflushed = [entry for entry in state.get("pending_metrics", []) if entry[0]]
-        log.info("resuming %s at step %d (MLflow run %s)", self.run.name, self.start_step, self.run.run_id)
+        return state
+
+    def branch(self) -> None:
+        """Start a WSD branch from its parent run's stable checkpoint at the step where this budget's decay begins:
+        same weights, optimizer state, anchor stream and row order, and from there this run's own decay."""
+        train = self.config.train
+        start = train.max_steps - decay_steps(train.max_steps, train.decay_ratio)
+        parent = Run(self.run.workdir, train.branch_of)
+        path = parent.stable_checkpoint_path(start)
+        if self.ranks.is_main and not path.exists():
+            raise FileNotFoundError(
+                f"invalid --branch-of={train.branch_of!r}: no stable checkpoint at step {start} ({path}); allowed a "
+                f"wsd run that listed {train.max_steps} in its branches and trained past step {start}"
+            )
+        # the scheduler's state carries the step; the factor from there on is this run's own schedule
+        state = parent.load_checkpoint(path) if self.ranks.is_main else {}
+        self.branched_at = self.restore(state, self.branch_change)["step"]
+        log.info("branching %s from %s at step %d: decay to %d", self.run.name, parent.name, start, train.max_steps)
+
+    def branch_change(self, state: dict) -> str | None:
+        """Why the parent's config differs from this branch's in more than the budget and the lineage, or None."""
+        parent = RunConfig.from_dict(state["config"])
+        lineage = dict(branches=[], branch_of=None, max_steps=parent.train.max_steps)
+        current = dataclasses.replace(
+            self.config, train=dataclasses.replace(self.config.train, **lineage)
+        ).flat_params()
+        stored = dataclasses.replace(parent, train=dataclasses.replace(parent.train, **lineage)).flat_params()
+        if current == stored:
+            return None
+        first = sorted(k for k, v in current.items() if stored.get(k) != v)[0]
+        return (
+            f"invalid --branch-of={self.config.train.branch_of!r}: {first}={current.get(first)!r}, but that run "
+            f"trained with {stored.get(first)!r}; a branch keeps every knob but max_steps"
+        )
 
     def config_change(self, state: dict) -> str | None:
-        """Why a checkpoint's config does not match this run's, or None."""
+        """Why a checkpoint's config does not match this run's, or None (a knob added since it was saved reads
+        its default there)."""
         if state["config"] == self.config.to_dict():
             return None
         stored, current = RunConfig.from_dict(state["config"]).flat_params(), self.config.flat_params()
         changed = sorted(k for k, v in current.items() if stored.get(k) != v)
-        first = changed[0] if changed else "?"
+        if not changed:
+            return None
+        first = changed[0]
         return (
             f"invalid --resume of {self.run.name!r}: {first}={current.get(first)!r}, but its checkpoint was "
             f"trained with {stored.get(first)!r} (changed: {changed}); allowed the same config, or another --run-name"
@@ -330,23 +364,32 @@ class TrainingRecipe:
         """Checkpoint, then the metrics logged up to it. The checkpoint carries them too: a kill between
         the two leaves them to the resume (`log_unflushed`), which logs only those MLflow lacks.
         Under torchrun every rank gathers its shards to rank 0, which alone writes (one world-size-free file)."""
-        model, optimizer = full_state(self.draft, self.optimizer, self.ranks)
+        state = self.checkpoint_state(step)
         if not self.ranks.is_main:
             return
-        self.run.save_checkpoint(
-            {
-                "model": model,
-                "optimizer": optimizer,
-                "scheduler": self.schedule.state_dict(),
-                "anchor_generator": self.anchor_generator.get_state(),
-                "step": step,
-                "history": self.history,
-                "run_id": self.run.run_id,
-                "config": self.config.to_dict(),
-                "pending_metrics": self.pending_metrics,
-            }
-        )
+        self.run.save_checkpoint(state)
         self.flush_metrics()
+
+    def save_stable(self, step: int) -> None:
+        """A WSD run's checkpoint of its stable stretch at `step`, kept for the branch that starts there."""
+        state = self.checkpoint_state(step)
+        if self.ranks.is_main:
+            self.run.save_checkpoint({**state, "pending_metrics": []}, self.run.stable_checkpoint_path(step))
+
+    def checkpoint_state(self, step: int) -> dict:
+        """Everything a resume (or a branch) continues from; every rank gathers its shards, rank 0 gets them."""
+        model, optimizer = full_state(self.draft, self.optimizer, self.ranks)
+        return {
+            "model": model,
+            "optimizer": optimizer,
+            "scheduler": self.schedule.state_dict(),
+            "anchor_generator": self.anchor_generator.get_state(),
+            "step": step,
+            "history": self.history,
+            "run_id": self.run.run_id,
+            "config": self.config.to_dict(),
+            "pending_metrics": self.pending_metrics,
+        }
 
     def log_unflushed(self) -> None:
         """The resumed checkpoint's metrics that never reached MLflow (one batch is logged whole or not at all)."""
@@ -458,10 +501,11 @@ class TrainingRecipe:
         self.pending_metrics = []
 
     def log_start(self) -> None:
-        """What a run starting at step 0 records: config, params (rank 0) and the untrained validation."""
+        """What a run records when it starts: config, params (rank 0) and the validation of its first weights
+        (untrained at step 0; a branch's stable checkpoint at the step it starts from)."""
         if self.ranks.is_main:
             self.log_config()
-        self.validate(0)
+        self.validate(self.start_step)
 
     def log_config(self) -> None:
         workspace, config_path = self.workspace, self.run.path(CONFIG_FILE)
@@ -536,6 +580,8 @@ class TrainingRecipe:
                     return self.result(validation, stopped_reason=stop)
             if saving:
                 self.save(done)
+            if done in self.stable_steps:
+                self.save_stable(done)
         bar.close()
         if self.watch.all_zero(self.start_step, steps):
             raise DegenerateRun(
@@ -652,8 +698,11 @@ def _train_held(
     recipe = TrainingRecipe(config, workspace, run, device, ranks)
     if started[1]:
         recipe.resume()
-    elif started[0] and ranks.is_main:  # killed before its first checkpoint: the same MLflow run restarts at 0
-        run.run_id = run.recorded_run_id()
+    else:
+        if config.train.branch_of:
+            recipe.branch()
+        if started[0] and ranks.is_main:  # killed before its first checkpoint: the same MLflow run starts again
+            run.run_id = run.recorded_run_id()
     run_tags = {
         tracking.TAG_ALGORITHM: config.algorithm.algorithm,
         tracking.TAG_ROLE: tracking.ROLE_RUN,
@@ -662,7 +711,7 @@ def _train_held(
     with run.active(run_tags, parent_run_id) if ranks.is_main else nullcontext():
         if ranks.is_main:
             run.tag_start(ranks.world_size, computes_in(device, config.train.precision))
-        if recipe.start_step == 0:
+        if recipe.start_step == 0 or recipe.branched_at is not None:
             recipe.log_start()
         elif ranks.is_main:
             recipe.log_unflushed()

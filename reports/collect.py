@@ -36,6 +36,10 @@ SERVED = {
     "served_flips": "lossless_flips_vs_engine",
     "served_flips_harness": "lossless_flips_vs_harness",
     "served_speedup": "speedup",
+    # the accepted length at which this draft's shape pays for itself on the serving machine (harness/break_even.py)
+    "served_break_even": "break_even_accepted_length",
+    "served_break_even_low": "break_even_accepted_length_low",
+    "served_break_even_high": "break_even_accepted_length_high",
 }
 
 

@@ -592,6 +592,7 @@ def served_section(record: StudyRecord) -> str | None:
             f"{run['served_agreement']:.3f} of {int(run['served_cycles'])}",
             f"{int(run['served_flips'])} / {int(run['served_flips_harness'])}",
             fmt(run["served_speedup"], 2),
+            break_even_text(run),
         ]
         for _, run in runs[runs["served_greedy"].notna()].iterrows()
     ]
@@ -601,10 +602,26 @@ def served_section(record: StudyRecord) -> str | None:
         "decoding. *Cycles agreeing*: the fraction of verify cycles, among those in which both drafted the whole "
         "block, where llama.cpp accepted exactly what the harness's decoder accepted. *Flips*: requests whose served "
         "tokens differ from the same engine without the draft / from the harness's greedy reference. *Speed-up*: "
-        "served tokens/s with the draft over without, on the machine that ran it. docs/metrics.md defines each."
+        "served tokens/s with the draft over without, on the machine that ran it. *Break-even*: the accepted length "
+        "at which a draft of this shape would start to pay for itself on that machine (llama.cpp at synthetic "
+        "accepted lengths, 95% interval over prompts), and how many accepted tokens per cycle the run is short of it. "
+        "docs/metrics.md defines each."
     )
-    headers = ["run", "realized", "measured T=0", "served T=0", "cycles agreeing", "flips", "speed-up"]
+    headers = ["run", "realized", "measured T=0", "served T=0", "cycles agreeing", "flips", "speed-up", "break-even"]
     return "## Served (llama.cpp)\n\n" + note + "\n\n" + table(headers, rows)
+
+
+def break_even_text(run) -> str:
+    """`3.62 [3.41, 3.85], 2.38 short`; `not measured` for a run served before break-evens were measured."""
+    needed = run.get("served_break_even", float("nan"))
+    if needed is None or math.isnan(needed):
+        return "not measured"
+    if math.isinf(needed):
+        return "not reached within the block"
+    high = "not reached" if math.isinf(run["served_break_even_high"]) else f"{run['served_break_even_high']:.2f}"
+    interval = f"{needed:.2f} [{run['served_break_even_low']:.2f}, {high}]"
+    short = needed - run["served_greedy"]
+    return f"{interval}, {short:.2f} short" if short > 0 else f"{interval}, paid for"
 
 
 def deleted_runs(record: StudyRecord) -> str | None:

@@ -2,10 +2,13 @@
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from unittest import mock
 
 import mlflow
@@ -15,7 +18,7 @@ from harness import tracking
 from harness.decode import speculative_generate, target_greedy
 from harness.evaluate import mtbench_questions, prompt_ids
 
-from conftest import E2E_MEMBERS, e2e_run_config
+from conftest import E2E_MEMBERS, e2e_run_config, gone, started_server
 
 pytestmark = pytest.mark.slow
 # 4 prompts x 64 tokens reach well over a hundred verify cycles and accepted drafts per algorithm in CI; the
@@ -224,6 +227,13 @@ def test_llama_cpp_serves_the_run_and_agrees_with_the_harness_cycle_by_cycle(
     )
     assert all("near-tie" in r["flip"] and "not a near-tie" not in r["flip"] for r in records if "flip" in r)
     assert metrics["tokens_per_s_draft"] > 0 and metrics["tokens_per_s_alone"] > 0
+    # A verify cycle of a whole block costs more than one plain decoding step on the CPU, so the break-even lies
+    # above 1, and the run's shortfall is measured against it.
+    assert metrics["cycle_cost_plain_tokens"] > 1 and metrics["break_even_accepted_length"] > 1
+    assert metrics["break_even_accepted_length_low"] <= metrics["break_even_accepted_length"]
+    assert metrics["break_even_shortfall"] == pytest.approx(
+        metrics["break_even_accepted_length"] - metrics["accepted_length_greedy"]
+    )
     assert 1.0 <= metrics["accepted_length_greedy"] <= draft.block_size
     assert 1.0 <= metrics["accepted_length_t1"] <= draft.block_size  # served at T = 1 ...
     assert 1.0 <= metrics["harness_accepted_length_t1"] <= draft.block_size  # ... beside the harness at T = 1
@@ -256,3 +266,56 @@ def test_llama_cpp_serves_the_run_and_agrees_with_the_harness_cycle_by_cycle(
     else:  # DSpark: its Markov head (and confidence head) travel as tensors
         assert value("dflash.sample_from_anchor") is draft.shared.sample_from_anchor
         assert value("dflash.has_confidence_head") is True
+
+
+CLI = [sys.executable, "-m", "harness.cli"]
+# One prompt per set and few tokens: these tests are about stopping, not about the numbers.
+QUICK_EVALUATION = ["--num-prompts", "1", "--temperatures", "0"]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["serve", "serves-dspark"], ["evaluate", "serves-dspark", "--engine", "llama.cpp", *QUICK_EVALUATION]],
+    ids=["serve", "evaluate"],
+)
+def test_a_sigkilled_command_leaves_no_llama_server(e2e_workdir, served_runs, command):
+    """SIGKILL gives the process no chance to stop its server: the kernel's parent-death signal does."""
+    process = subprocess.Popen([*CLI, *command, "--workdir", str(e2e_workdir)], stdout=subprocess.DEVNULL)
+    server = started_server(e2e_workdir, process)
+    port = next(json.loads(p.read_text())["port"] for p in (e2e_workdir / "served" / "servers").glob(f"{server}.json"))
+    process.kill()
+    process.wait()
+    assert gone(server), "llama-server outlived the dflash-lab process that started it"
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_sigterm_mid_request_records_the_serving_interrupted_and_a_rerun_logs_each_metric_once(
+    e2e_workdir, served_runs
+):
+    from harness.run import SERVED_DIR, Run
+
+    run = Run.at(served_runs["dspark"].run_dir)
+    client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
+    metric = f"{tracking.SERVED_PREFIX}agreement_cycle_fraction"
+    rows = lambda: len(client.get_metric_history(run.run_id, metric))  # noqa: E731
+    before = rows()
+    evaluate = [*CLI, "evaluate", run.name, "--engine", "llama.cpp", "--workdir", str(e2e_workdir)]
+    process = subprocess.Popen(
+        [*evaluate, *QUICK_EVALUATION, "--max-new-tokens", "96"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    server = started_server(e2e_workdir, process, log=run.path(SERVED_DIR) / "server-draft.log")
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143 and "Traceback" not in stderr.decode(), stderr.decode()[-3000:]
+    assert stderr.decode().strip().splitlines()[-1].startswith("error: terminated (SIGTERM)")
+    assert gone(server)
+    tags = client.get_run(run.run_id).data.tags
+    assert tags[tracking.TAG_SERVED_STATUS] == "interrupted" and "SIGTERM" in tags[tracking.TAG_SERVED_REASON]
+    assert rows() == before, "an interrupted serving logs no served/* metric"
+
+    done = subprocess.run([*evaluate, *QUICK_EVALUATION, "--max-new-tokens", "16"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert client.get_run(run.run_id).data.tags[tracking.TAG_SERVED_STATUS] == "finished"
+    assert rows() == before + 1, "the rerun logs each served metric once"
+    assert not list((e2e_workdir / "served" / "servers").glob("*.json")), "no server is left recorded"

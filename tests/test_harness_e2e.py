@@ -522,3 +522,26 @@ def test_ctrl_c_ends_with_one_line_and_exit_130(e2e_workspace, e2e_workdir, tmp_
     assert stderr.strip().splitlines()[-1].startswith("error: interrupted (Ctrl-C)") and "Traceback" not in stderr
     leftovers = [p.name for p in (tmp_path / "work").rglob("*") if ".tmp" in p.name and "targets" not in p.parts]
     assert leftovers == []
+
+
+def test_a_wsd_run_and_its_branch_through_the_cli(e2e_workspace, e2e_workdir):
+    """`train --schedule wsd --branches 4` keeps its stable checkpoint at step 3; `train --branch-of` anneals it to
+    step 4 in a run of its own, whose curve starts at the step it branched from and whose params name its parent."""
+    trunk = _cli_train(
+        e2e_workdir,
+        "wsd-trunk",
+        *("--algorithm", "dflash2", "--schedule", "wsd", "--max-steps", "8", "--branches", "4"),
+        *("--decay-ratio", "0.25", "--warmup-ratio", "0", "--eval-every", "4", "--checkpoint-every", "4"),
+    )
+    done = subprocess.run(trunk, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (e2e_workdir / "runs" / "wsd-trunk" / "stable-step3.pt").exists()
+    branch = [sys.executable, "-m", "harness.cli", "train", "--workdir", str(e2e_workdir)]
+    done = subprocess.run([*branch, "--branch-of", "wsd-trunk", "--max-steps", "4"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "branching wsd-trunk-decay4 from wsd-trunk at step 3: decay to 4" in done.stderr
+    client, run = _run(e2e_workdir, "wsd-trunk-decay4")
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.branch_of"] == "wsd-trunk" and run.data.params["train.schedule"] == "wsd"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "accept/realized")] == [3, 4]
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "train/lr")] == [pytest.approx(0.0)]

@@ -176,3 +176,17 @@ def test_a_zero_width_difference_is_identical_runs_not_noise():
     identical = verdict(Estimate(0.0, 0.0, 0.0, 0.0, 8))
     assert identical.endswith(IDENTICAL) and NOISE not in identical
     assert verdict(Estimate(0.0, 0.01, -0.02, 0.02, 8)).endswith(NOISE)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--max-steps", "60", "--lr", "0.01"], "with train.learning_rate: a branch takes every knob from the run"),
+        (["--max-steps", "60", "--algorithm", "dflash"], "with --algorithm: a branch takes every knob"),
+        ([], "allowed with --max-steps, the branch's budget"),
+        (["--max-steps", "60"], "no run of that name in"),
+    ],
+)
+def test_a_branch_takes_its_knobs_from_its_parent_and_refuses_others_in_one_line(cli, tmp_path, extra, message):
+    line = one_line(cli(["train", "--branch-of", "trunk", *extra, "--workdir", str(tmp_path / "work")]))
+    assert line.startswith("error: invalid --branch-of='trunk'") and message in line

@@ -25,12 +25,12 @@ from harness.serving import (
     to_gguf,
 )
 
-from conftest import tiny_draft
+from conftest import gone, tiny_draft
 
 # A stand-in llama-server: answers /health on its port, or fails the way the real one does.
 FAKE_SERVER = """\
 #!{python}
-import http.server, os, sys
+import http.server, json, os, sys
 args = sys.argv[1:]
 port = int(args[args.index("--port") + 1])
 if os.environ.get("FAKE_MODE") == "broken":
@@ -47,7 +47,19 @@ class Health(http.server.BaseHTTPRequestHandler):
         if os.environ.get("FAKE_MODE") == "crash":
             print("GGML_ASSERT(n_tokens > 0) failed", flush=True)
             os._exit(134)
-        self.send_response(200); self.end_headers(); self.wfile.write(b'{{"tokens": [1], "timings": {{}}}}')
+        # A known truth for the break-even: a cycle costs 3.5 plain tokens, so tokens/s = 100 L / 3.5 at
+        # synthetic accepted length L (an integer here: every cycle accepts L - 1), and 100 without a draft; the
+        # prompt's length moves each request's speed by a percent either way.
+        prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+        speed = 100.0 * (1 + 0.01 * (len(prompt) % 3 - 1))
+        if "--spec-synth-len" in args:
+            length = float(args[args.index("--spec-synth-len") + 1])
+            for _ in range(4):
+                print(f"slot | task 0 | accepted  {{int(length) - 1}}/ 7 draft tokens", flush=True)
+            speed *= length / 3.5
+        print("slot print_timing: id  0 | task 0 |", flush=True)
+        reply = {{"tokens": [1], "timings": {{"predicted_per_second": speed}}}}
+        self.send_response(200); self.end_headers(); self.wfile.write(json.dumps(reply).encode())
     def log_message(self, *args):
         pass
 http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
@@ -170,20 +182,6 @@ def test_the_served_log_line_pattern_reads_the_real_servers_lines():
 
 
 # ---- the served path under kills and bad files (docs/faults.md, "The serving engine") ----------------------
-
-
-def gone(pid: int, within_s: float = 10.0) -> bool:
-    """Whether process `pid` has ended (a zombie counts: it runs nothing and holds no port)."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.05)
-    return False
 
 
 STARTS_A_SERVER = """\
@@ -341,3 +339,67 @@ def test_a_disk_that_fills_during_conversion_leaves_no_file_to_reuse(engine, tmp
         to_gguf(engine, tmp_path, out, "run my-run")
     assert str(failed.value) == "converting run my-run to GGUF failed: OSError: [Errno 28] No space left on device"
     assert sorted(p.name for p in out.parent.iterdir()) == ["draft-f32.gguf.lock"], "no partial GGUF, no stamp"
+
+
+# ---- the break-even (harness/break_even.py) -----------------------------------------------------------------
+
+
+def test_the_crossing_is_read_by_linear_interpolation_between_measured_lengths():
+    from harness.break_even import crossing, synthetic_lengths
+
+    assert crossing([1, 3, 5], [0.3, 0.8, 1.2]) == pytest.approx(3 + 0.2 / 0.4 * 2)  # 4.0
+    assert crossing([1, 3, 5], [0.3, 0.8, 0.9]) == float("inf"), "never reached within the block"
+    assert crossing([1, 3], [1.1, 2.0]) == 1, "pays for itself at any length"
+    assert synthetic_lengths(7) == (1.0, 4.5, 8.0) and synthetic_lengths(4, count=5) == (1, 2, 3, 4, 5)
+
+
+def test_the_break_even_of_a_stand_in_engine_with_a_known_cycle_cost_is_that_cost(engine, tmp_path):
+    """The stand-in's cycle costs 3.5 plain tokens at every length: speed-up L / 3.5, break-even 3.5, and the
+    interval over prompts holds it."""
+    from harness.break_even import measure
+
+    prompts = [[1] * n for n in (3, 4, 5, 6, 7, 8)]
+    found = measure(
+        engine,
+        tmp_path / "t.gguf",
+        tmp_path / "d.gguf",
+        7,
+        "draft-dflash",
+        prompts,
+        8,
+        tmp_path,
+        tmp_path / "servers",
+        lengths=(1, 3, 5, 8),
+    )
+    assert [p.accepted_length for p in found.points] == [1, 3, 5, 8]
+    assert [p.speedup.value for p in found.points] == pytest.approx([1 / 3.5, 3 / 3.5, 5 / 3.5, 8 / 3.5])
+    assert found.length == pytest.approx(3.5) and found.low <= 3.5 <= found.high
+    assert found.cycle_cost == pytest.approx(3.5) and found.alone_tokens_per_s == pytest.approx(100)
+    metrics = found.metrics()
+    assert metrics["break_even_accepted_length"] == found.length and metrics["synthetic_8_speedup"] > 2
+    assert found.text().startswith("3.50 [")
+
+
+HOLDS_A_LOCK = """\
+import sys, time
+from pathlib import Path
+from harness.serving import file_lock
+with file_lock(Path(sys.argv[1]), "serving run r"):
+    print("held", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_second_process_waits_for_the_runs_serving_lock_and_says_whom_it_waits_for(tmp_path, caplog):
+    """Two evaluations of one run: the second waits until the first has served, then serves itself."""
+    from harness.serving import file_lock
+
+    lock = tmp_path / "served" / ".serving.lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDS_A_LOCK, str(lock), "1.5"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    started = time.monotonic()
+    with caplog.at_level("INFO", logger="harness.serving"), file_lock(lock, "serving run r"):
+        waited = time.monotonic() - started
+    holder.wait()
+    assert waited > 1.0, "the lock was taken only after the first process let it go (it held it 1.5 s)"
+    assert f"serving run r: waiting for process {holder.pid}" in caplog.text

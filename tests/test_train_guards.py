@@ -113,3 +113,90 @@ def test_a_micro_batch_without_a_supervised_slot_skips_the_optimizer_step(tmp_pa
     recipe.step(1)
     assert any(not torch.equal(p, before[name]) for name, p in recipe.draft.named_parameters())
     assert recipe.step_stats()[SKIPPED_STEPS] == 0
+
+
+# ---- warmup-stable-decay and its branches ------------------------------------------------------------------
+
+
+def test_the_wsd_factor_is_constant_then_decays_linearly_to_zero():
+    from harness.config import learning_rate_factor
+
+    factors = [learning_rate_factor(step, 20, 0.1, "wsd", 0.2) for step in range(20)]
+    # 2 warmup steps, constant to step 15, then 4 decay steps: 4/4, 3/4, 2/4, 1/4
+    assert factors == [0.5, 1.0] + [1.0] * 14 + [1.0, 0.75, 0.5, 0.25]
+
+
+@pytest.mark.parametrize(
+    "train, allowed",
+    [
+        ({"decay_ratio": 0.0}, r"decay_ratio=0.0: allowed a number in \(0, 1\)"),
+        ({"branches": [100]}, r"branches=\[100\]: allowed only with schedule: wsd"),
+        ({"branch_of": "trunk"}, r"branch_of='trunk': allowed only with schedule: wsd"),
+        ({"schedule": "wsd", "branches": [300]}, r"branches=\[300\]: allowed budgets below max_steps=300"),
+        ({"schedule": "wsd", "warmup_ratio": 0.5, "branches": [160]}, r"160 would start its decay at step 136"),
+    ],
+)
+def test_wsd_knobs_out_of_range_are_refused_naming_the_knob(train, allowed):
+    from harness.config import TrainConfig
+
+    with pytest.raises(ValueError, match=allowed):
+        TrainConfig(**train).validate()
+
+
+def _wsd_recipe(tmp_path, name, max_steps, schedule="wsd", **train):
+    from harness.run import Run
+    from harness.train import TrainingRecipe
+
+    config = RunConfig(AlgorithmConfig.preset("dflash", block_size=4, num_draft_layers=1, candidate_top_k=4))
+    config.algorithm = config.algorithm.replace(mask_token_id=5, target_layer_ids=[2, 4, 5])
+    config.train.max_steps, config.train.schedule, config.train.warmup_ratio = max_steps, schedule, 0.0
+    config.train.decay_ratio = 0.25
+    for key, value in train.items():
+        setattr(config.train, key, value)
+    config.train.validate()
+    rows = [packed_row(seed=seed) for seed in range(3)]
+    return TrainingRecipe(config, _workspace(tmp_path, rows), Run(tmp_path, name))
+
+
+def _steps(recipe, start, stop) -> list[float]:
+    rates = []
+    for step in range(start, stop):
+        rates.append(recipe.schedule.get_last_lr()[0])
+        recipe.step(step)
+        if step + 1 in recipe.stable_steps:
+            recipe.save_stable(step + 1)
+    return rates
+
+
+def test_a_wsd_branch_anneals_exactly_as_a_fresh_wsd_run_of_its_budget(tmp_path):
+    """Without warmup, a branch of a 12-step WSD run at budget 8 (from its stable checkpoint at step 6) takes the
+    same rows, anchors and learning rates as a fresh 8-step WSD run, so it ends on the same weights; a fresh run
+    with the linear schedule does not."""
+    import torch
+
+    trunk = _wsd_recipe(tmp_path, "trunk", 12, branches=[8])
+    _steps(trunk, 0, 12)
+    assert (tmp_path / "runs" / "trunk" / "stable-step6.pt").exists()
+    branch = _wsd_recipe(tmp_path, "trunk-decay8", 8, branch_of="trunk")
+    branch.branch()
+    assert branch.start_step == 6 and branch.branched_at == 6
+    branch_rates = _steps(branch, 6, 8)
+    fresh = _wsd_recipe(tmp_path, "fresh", 8)
+    fresh_rates = _steps(fresh, 0, 8)
+    assert branch_rates == fresh_rates[6:] == [1e-3 * 2 / 2, 1e-3 * 1 / 2]
+    for (name, ours), theirs in zip(branch.draft.named_parameters(), fresh.draft.parameters(), strict=True):
+        assert torch.equal(ours, theirs), name
+    linear = _wsd_recipe(tmp_path, "linear", 8, schedule="linear")
+    _steps(linear, 0, 8)
+    assert not all(torch.equal(a, b) for a, b in zip(linear.draft.parameters(), fresh.draft.parameters(), strict=True))
+
+
+def test_a_branch_refuses_a_parent_without_its_stable_checkpoint_or_with_other_knobs(tmp_path):
+    trunk = _wsd_recipe(tmp_path, "trunk", 12, branches=[8])
+    _steps(trunk, 0, 12)
+    unlisted = _wsd_recipe(tmp_path, "trunk-decay4", 4, branch_of="trunk")
+    with pytest.raises(FileNotFoundError, match=r"invalid --branch-of='trunk': no stable checkpoint at step 3"):
+        unlisted.branch()
+    other = _wsd_recipe(tmp_path, "trunk-decay8", 8, branch_of="trunk", learning_rate=0.01)
+    with pytest.raises(ValueError, match=r"learning_rate=0.01, but that run trained with 0.001"):
+        other.branch()

@@ -1,0 +1,120 @@
+"""Warmup-stable-decay against today's linear schedule at one budget, same seeds: is a WSD branch of a longer run
+as good a drafter as a run trained for that budget from scratch?
+
+Per seed: a WSD trunk of `--trunk` steps that keeps a stable checkpoint for `--budget`, its branch annealed to
+`--budget` (`train --branch-of`), and a fresh linear run of `--budget` steps; all on the default study's base
+config (DFlash2, block 8, 160 chitchat conversations) with the seed changed. The difference is the branch's final
+realized accepted length (every anchor of the validation documents) minus the linear run's, per seed; its interval
+is a t interval over seeds, so it holds the training noise a repeat would change:
+
+    python -m benchmarks.wsd --workdir work                # writes benchmarks/WSD.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
+from benchmarks.budget_transfer import cpu_model
+from harness.config import RunConfig, decay_steps
+from harness.train import prepare_workspace, train
+from harness.uncertainty import mean_estimate
+from studies.schema import load_study
+
+OUT = Path(__file__).parent / "WSD.md"
+STUDY = Path(__file__).parent.parent / "studies" / "default.yaml"
+
+
+def with_train(config: RunConfig, **train) -> RunConfig:
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, **train))
+
+
+def one_seed(base: RunConfig, workspace, seed: int, trunk: int, budget: int, tag: str) -> dict[str, float]:
+    """The seed's three runs; returns each arm's final realized accepted length and wall time."""
+    found = {}
+    started = time.monotonic()
+    trunk_name = f"{tag}-trunk{trunk}-seed{seed}"
+    train(
+        with_train(base, seed=seed, schedule="wsd", max_steps=trunk, branches=[budget]), workspace, run_name=trunk_name
+    )
+    found["trunk_s"] = time.monotonic() - started
+    started = time.monotonic()
+    branch = with_train(base, seed=seed, schedule="wsd", max_steps=budget, branch_of=trunk_name)
+    found["wsd"] = train(branch, workspace, run_name=f"{trunk_name}-decay{budget}").validation[REALIZED_ACCEPTED_LENGTH]
+    found["branch_s"] = time.monotonic() - started
+    started = time.monotonic()
+    linear = with_train(base, seed=seed, schedule="linear", max_steps=budget)
+    found["linear"] = train(linear, workspace, run_name=f"{tag}-linear{budget}-seed{seed}").validation[
+        REALIZED_ACCEPTED_LENGTH
+    ]
+    found["linear_s"] = time.monotonic() - started
+    print(f"seed {seed}: wsd branch {found['wsd']:.4f}, linear {found['linear']:.4f}", flush=True)
+    return found
+
+
+def markdown(results: list[dict], args: argparse.Namespace, base: RunConfig, minutes: float) -> str:
+    branched_at = args.budget - decay_steps(args.budget, base.train.decay_ratio)
+    differences = mean_estimate([r["wsd"] - r["linear"] for r in results])
+    wsd, linear = mean_estimate([r["wsd"] for r in results]), mean_estimate([r["linear"] for r in results])
+    rows = [
+        f"| {seed} | {r['wsd']:.4f} | {r['linear']:.4f} | {r['wsd'] - r['linear']:+.4f} | "
+        f"{r['trunk_s'] / 60:.1f} + {r['branch_s'] / 60:.1f} | {r['linear_s'] / 60:.1f} |"
+        for seed, r in zip(args.seeds, results, strict=True)
+    ]
+    verdict = (
+        "the interval excludes 0"
+        if differences.excludes_zero
+        else "the interval includes 0: no difference resolved at this many seeds"
+    )
+    return "\n".join(
+        [
+            "# WSD branches against a fresh linear run at one budget",
+            "",
+            f"Measured {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {cpu_model()} (2 cores), {minutes:.0f} minutes, by "
+            f"`python -m benchmarks.wsd --workdir {args.workdir} --budget {args.budget} --trunk {args.trunk} "
+            f"--seeds {' '.join(map(str, args.seeds))}`.",
+            "",
+            f"The default study's base config (DFlash2, block {base.algorithm.shared.block_size}, "
+            f"lr {base.train.learning_rate}, warmup {base.train.warmup_ratio}, "
+            f"{base.data.num_conversations} conversations). Per seed: a WSD trunk of {args.trunk} steps (decay "
+            f"share {base.train.decay_ratio}) branched at step {branched_at} and annealed to {args.budget}, against "
+            f"a fresh linear-schedule run of {args.budget} steps. The value is "
+            "the final validation's realized accepted length over every anchor of the validation documents.",
+            "",
+            "| seed | WSD branch | linear | branch − linear | wall: trunk + branch (min) | wall: linear (min) |",
+            "| --- | --- | --- | --- | --- | --- |",
+            *rows,
+            "",
+            f"- WSD branch: {wsd.text()}; linear: {linear.text()} (95% t intervals over {len(results)} seeds).",
+            f"- **Branch − linear: {differences.text(signed=True)}** ({verdict}).",
+            f"- Cost: the branch's own steps are {args.budget - branched_at} of {args.budget}; the "
+            f"trunk is shared by every budget it branches at (here one), so WSD pays off once a trunk serves two or "
+            "more budgets.",
+            "",
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("work"), help="work directory (default: ./work)")
+    parser.add_argument("--budget", type=int, default=120, help="the budget both arms reach (default: 120)")
+    parser.add_argument("--trunk", type=int, default=160, help="the WSD trunk's own steps (default: 160)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3], help="seeds (default: 0 1 2 3)")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"markdown file (default: {OUT})")
+    args = parser.parse_args()
+    base = load_study(STUDY).base
+    started = time.monotonic()
+    workspace = prepare_workspace(base, args.workdir)
+    tag = f"wsd-bench-{datetime.now(UTC):%Y%m%d%H%M}"
+    results = [one_seed(base, workspace, seed, args.trunk, args.budget, tag) for seed in args.seeds]
+    args.out.write_text(markdown(results, args, base, (time.monotonic() - started) / 60))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

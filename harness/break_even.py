@@ -1,0 +1,146 @@
+"""The break-even of a drafter's shape on the serving machine: the accepted length at which it stops costing time.
+
+llama.cpp's `--spec-synth-len L` runs the real drafter and the real verify batch and fakes only the accept decision,
+so its tokens/s at a set accepted length is what a drafter of this shape would get on this machine if it were that
+good. The speed-up at each length is tokens/s with the draft over the target alone on the same prompts (a ratio of
+sums over prompts, with its interval); the break-even is the accepted length where the speed-up crosses 1, read by
+linear interpolation between measured lengths, and the cycle cost (accepted length / speed-up) is what one verify
+cycle costs in plain decoding steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from harness.serving import Engine, LlamaServer
+from harness.uncertainty import Estimate, ratio_estimate
+
+
+@dataclass(frozen=True)
+class SpeedPoint:
+    """The server at one synthetic accepted length."""
+
+    synthetic_length: float  # what the server was asked for
+    accepted_length: float  # what it drew: 1 + accepted drafts / cycles over all requests
+    speedup: Estimate  # tokens/s with the draft over the target alone, over prompts
+
+    @property
+    def cycle_cost(self) -> float:
+        """Plain decoding steps one verify cycle costs: accepted length / speed-up."""
+        return self.accepted_length / self.speedup.value
+
+
+@dataclass(frozen=True)
+class BreakEven:
+    alone_tokens_per_s: float
+    points: tuple[SpeedPoint, ...]  # by accepted length
+    length: float  # where the speed-up crosses 1; inf when it never does within the block, 1 when it is above 1 at 1
+    low: float  # from the speed-up's upper interval bounds (the earliest crossing the data allow)
+    high: float  # from the lower bounds (inf when those never cross)
+
+    @property
+    def cycle_cost(self) -> float:
+        """The cycle cost when nothing is accepted (the shortest measured length)."""
+        return self.points[0].cycle_cost
+
+    def shortfall(self, accepted_length: float) -> float:
+        """Accepted tokens per cycle still missing before a drafter at `accepted_length` pays for itself."""
+        return self.length - accepted_length
+
+    def metrics(self) -> dict[str, float]:
+        values = {
+            "break_even_accepted_length": self.length,
+            "break_even_accepted_length_low": self.low,
+            "break_even_accepted_length_high": self.high,
+            "cycle_cost_plain_tokens": self.cycle_cost,
+            "alone_tokens_per_s_synthetic": self.alone_tokens_per_s,
+        }
+        for point in self.points:
+            tag = f"{point.synthetic_length:g}".replace(".", "_")
+            values[f"synthetic_{tag}_accepted_length"] = point.accepted_length
+            values[f"synthetic_{tag}_speedup"] = point.speedup.value
+        return values
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "cycle_cost": self.cycle_cost}
+
+    def text(self) -> str:
+        """`3.62 [3.41, 3.85]`, `above 8 (never within the block)` or `1 (pays at any length)`."""
+        if math.isinf(self.length):
+            return f"above {self.points[-1].accepted_length:.2f} (not reached within the block)"
+        high = "not reached" if math.isinf(self.high) else f"{self.high:.2f}"
+        return f"{self.length:.2f} [{self.low:.2f}, {high}]"
+
+
+def crossing(lengths: Sequence[float], speedups: Sequence[float]) -> float:
+    """The first length where the piecewise-linear speed-up reaches 1; inf if it never does, the first length if it
+    starts at or above 1."""
+    if speedups[0] >= 1:
+        return lengths[0]
+    points = list(zip(lengths, speedups, strict=True))
+    for (l0, s0), (l1, s1) in itertools.pairwise(points):
+        if s0 < 1 <= s1:
+            return l0 + (1 - s0) * (l1 - l0) / (s1 - s0)
+    return math.inf
+
+
+def synthetic_lengths(block: int, count: int = 3) -> tuple[float, ...]:
+    """`count` evenly spaced accepted lengths from 1 (nothing accepted) to block + 1 (everything)."""
+    return tuple(round(1 + block * i / (count - 1), 2) for i in range(count))
+
+
+def measure(
+    engine: Engine,
+    target_gguf: Path,
+    draft_gguf: Path,
+    block: int,
+    spec_type: str,
+    prompts: list[list[int]],
+    n_predict: int,
+    logs: Path,
+    records: Path,
+    lengths: Sequence[float] | None = None,
+    threads: int | None = None,
+) -> BreakEven:
+    """Tokens/s of the target alone and with the draft at each synthetic accepted length, on the same prompts."""
+    lengths = lengths or synthetic_lengths(block)
+
+    def speeds(server: LlamaServer, desc: str) -> tuple[list[float], int, int]:
+        done = [server.complete(p, n_predict, ignore_eos=True) for p in tqdm(prompts, desc=desc, unit="request")]
+        cycles = sum(len(c.accepted) for c in done)
+        return [c.tokens_per_s for c in done], cycles, sum(sum(c.accepted) for c in done)
+
+    with LlamaServer(engine, target_gguf, logs / "break-even-alone.log", records, threads=threads) as server:
+        alone, _, _ = speeds(server, "break-even: target alone")
+    points = []
+    for length in lengths:
+        server = LlamaServer(
+            engine,
+            target_gguf,
+            logs / f"break-even-{length:g}.log",
+            records,
+            draft_gguf,
+            block,
+            spec_type,
+            threads=threads,
+            synthetic_length=length,
+        )
+        with server:
+            with_draft, cycles, accepted = speeds(server, f"break-even: accepted length {length:g}")
+        measured = 1 + accepted / cycles if cycles else float("nan")
+        points.append(SpeedPoint(length, measured, ratio_estimate(with_draft, alone)))
+    points.sort(key=lambda point: point.accepted_length)
+    measured_lengths = [p.accepted_length for p in points]
+    return BreakEven(
+        alone_tokens_per_s=sum(alone) / len(alone),
+        points=tuple(points),
+        length=crossing(measured_lengths, [p.speedup.value for p in points]),
+        low=crossing(measured_lengths, [p.speedup.high for p in points]),
+        high=crossing(measured_lengths, [p.speedup.low for p in points]),
+    )
