@@ -15,8 +15,8 @@ from tqdm.auto import tqdm
 
 from algorithms.blocks import PackedRow
 from algorithms.knobs import check_section, knob
-from harness import devices
 from harness.files import atomic_write
+from harness.regeneration import REGENERATORS, Journal, regenerate, template_ids
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,15 @@ class DataConfig:
     num_validation: int = knob(24, "conversations held out for validation")
     max_user_turns: int = knob(1, "user turns kept per conversation")
     regenerate: bool = knob(True, "regenerate assistant turns with the target")
+    regenerate_with: str = knob(
+        "hf",
+        "hf: transformers' generate; llama.cpp: llama-server from the target's f32 GGUF, generation_batch_size "
+        "slots decoding at once (several times faster on a CPU; built by scripts/setup.sh)",
+        choices=REGENERATORS,
+    )
     max_new_tokens: int = knob(96, "tokens per regenerated assistant turn")
     generation_temperature: float = knob(0.0, "temperature of the regeneration (0: greedy)")
-    generation_batch_size: int = knob(16, "conversations regenerated per batch")
+    generation_batch_size: int = knob(16, "conversations regenerated per batch (llama.cpp: parallel slots)")
     max_length: int = knob(256, "tokens per document; longer documents are truncated")
     row_length: int = knob(1024, "packed row length T in tokens")
     seed: int = knob(0, "seed of the conversation sample and split", flag="--data-seed")
@@ -185,55 +191,6 @@ def conversation_problem(messages, regenerate: bool = True) -> str | None:
     return None if turns else "no user turn"
 
 
-def user_prompts(conversation: list[dict], max_user_turns: int) -> list[str]:
-    return [m["content"] for m in conversation if m["role"] == "user"][:max_user_turns]
-
-
-@torch.no_grad()
-def regenerate(target, conversations: list[list[dict]], config: DataConfig) -> list[list[dict]]:
-    """Replace every assistant turn with the target's own response (batched, turn by turn)."""
-    tokenizer, model = target.tokenizer, target.model
-    tokenizer.padding_side = "left"
-    device = next(model.parameters()).device
-    dialogues: list[list[dict]] = [[] for _ in conversations]
-    prompts = [user_prompts(c, config.max_user_turns) for c in conversations]
-    generator = devices.generator(device, config.seed)
-    total = sum(len(p) for p in prompts)
-    with tqdm(total=total, desc="regenerating responses", unit="turn") as bar:
-        for turn in range(config.max_user_turns):
-            active = [i for i, p in enumerate(prompts) if len(p) > turn]
-            for start in range(0, len(active), config.generation_batch_size):
-                batch = active[start : start + config.generation_batch_size]
-                for i in batch:
-                    dialogues[i].append({"role": "user", "content": prompts[i][turn]})
-                texts = [
-                    tokenizer.apply_chat_template(dialogues[i], tokenize=False, add_generation_prompt=True)
-                    for i in batch
-                ]
-                encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-                sampling = (
-                    dict(do_sample=True, temperature=config.generation_temperature)
-                    if config.generation_temperature > 0
-                    else dict(do_sample=False)
-                )
-                torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=generator)))
-                output = model.generate(
-                    **encoded, max_new_tokens=config.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
-                )
-                for row, i in enumerate(batch):
-                    reply = tokenizer.decode(
-                        output[row, encoded["input_ids"].shape[1] :], skip_special_tokens=True
-                    ).strip()
-                    dialogues[i].append({"role": "assistant", "content": reply})
-                bar.update(len(batch))
-    return dialogues
-
-
-def template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
 def tokenize_conversation(tokenizer, messages: list[dict], max_length: int) -> Document:
     """Chat-template ids with a loss mask on assistant turns only (template prefix arithmetic)."""
     ids: list[int] = []
@@ -308,7 +265,8 @@ def prepare_documents(target, config: DataConfig, cache_dir: Path) -> PreparedDa
     else:
         conversations = load_conversations(config, cache_dir)
         if config.regenerate:
-            conversations = regenerate(target, conversations, config)
+            journal = Journal(cache_dir / "data" / f"regenerated-{key}.jsonl")
+            conversations = regenerate(target, conversations, config, journal, cache_dir)
         else:
             conversations = [trim_to_user_turns(c, config.max_user_turns) for c in conversations]
         documents = [
@@ -317,6 +275,8 @@ def prepare_documents(target, config: DataConfig, cache_dir: Path) -> PreparedDa
         ]
         payload = {"documents": documents, "conversations": conversations}
         atomic_write(cache, lambda tmp: tmp.write_text(json.dumps(payload)))
+        if config.regenerate:
+            journal.path.unlink()  # the cache holds every turn now
     documents = [Document(**d) for d in payload["documents"]]
     documents = [d for d in documents if sum(d.loss_mask) > 0]
     validation, train = documents[: config.num_validation], documents[config.num_validation :]

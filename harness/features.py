@@ -72,11 +72,16 @@ class OnlineFeatures:
     def document(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.target.model
         with torch.no_grad(), target_precision(model):
-            out = model(
-                input_ids=ids_on(self.documents[index].input_ids, model_device(model)), output_hidden_states=True
-            )
+            out = hidden_states_of(model, ids_on(self.documents[index].input_ids, model_device(model)))
         features = target_features(out.hidden_states, self.layer_ids)[0]
         return stored(features, out.hidden_states[-1][0], final_dtype(self.target.dtype))
+
+
+def hidden_states_of(model: torch.nn.Module, input_ids: torch.Tensor):
+    """The target's hidden states ([0] embeddings ... [n] after the final norm) from its decoder alone: the LM head
+    over the whole vocabulary (a fifth of SmolLM2-135M's compute per token, and a batch x length x vocab logits
+    tensor) is never needed here."""
+    return model.base_model(input_ids=input_ids, output_hidden_states=True)
 
 
 def target_precision(model: torch.nn.Module):
@@ -224,7 +229,7 @@ def batch_features(
     for row, doc in enumerate(batch):
         ids[row, : len(doc.input_ids)] = torch.tensor(doc.input_ids)
     with target_precision(target.model):
-        out = target.model(input_ids=ids.to(device), output_hidden_states=True)
+        out = hidden_states_of(target.model, ids.to(device))
     hidden = out.hidden_states  # [0] embeddings ... [n] post-final-norm
     features = target_features(hidden, layer_ids)
     sizes = [len(doc.input_ids) for doc in batch]

@@ -31,7 +31,7 @@ from harness.evaluate import chat_prompt_ids, mtbench_questions, prompt_ids, tem
 from harness.export import NoPeerFormat, export_checkpoint, peer_format
 from harness.files import atomic_write
 from harness.run import SERVED_DIR, SERVED_RECORDS_FILE, SERVING_LOCK_FILE, Run, server_records
-from harness.serving import ENGINE, Completion, Engine, EngineError, LlamaServer, file_lock, to_gguf
+from harness.serving import ENGINE, Completion, Engine, EngineError, LlamaServer, file_lock, target_gguf, to_gguf
 from harness.targets import Target
 from harness.tracking import TAG_SERVED_REASON, TAG_SERVED_STATUS, RunStatus
 from harness.uncertainty import mean_estimate
@@ -62,15 +62,14 @@ def check_servable(draft: DFlashDraft) -> None:
 
 def gguf_files(engine: Engine, run: Run, draft: DFlashDraft, target: Target) -> tuple[Path, Path]:
     """The target once per work directory (keyed by its weights), the draft once per run checkpoint."""
-    served = run.workdir / SERVED_DIR
-    target_gguf = to_gguf(engine, Path(target.source), served / f"target-{target.weights_hash}-f32.gguf", "the target")
+    target_file = target_gguf(engine, run.workdir / SERVED_DIR, target.source, target.weights_hash)
     export = run.path(SERVED_DIR) / "export"
     if not (export / "config.json").is_file():
         export_checkpoint(draft, export, target.source)
     draft_gguf = to_gguf(
         engine, export, run.path(SERVED_DIR) / "draft-f32.gguf", f"run {run.name}", Path(target.source)
     )
-    return target_gguf, draft_gguf
+    return target_file, draft_gguf
 
 
 @dataclass

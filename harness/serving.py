@@ -190,6 +190,11 @@ def to_gguf(engine: Engine, source: Path, out: Path, what: str, target_dir: Path
     return out
 
 
+def target_gguf(engine: Engine, served_dir: Path, source: str, weights_hash: str) -> Path:
+    """The target as an f32 GGUF, converted once per work directory (keyed by its weights)."""
+    return to_gguf(engine, Path(source), served_dir / f"target-{weights_hash}-f32.gguf", "the target")
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -284,12 +289,15 @@ class LlamaServer:
         threads: int | None = None,
         port: int | None = None,
         synthetic_length: float | None = None,
+        slots: int = 1,
+        context: int = 4096,
     ) -> None:
         self.engine, self.model, self.draft, self.log_path = engine, model, draft, log_path
         self.records = records
         # llama.cpp's --spec-synth-len: the real draft and verify run, the accept decision is drawn to reach this
         # mean accepted length (benchmarking only: the output is not the target's)
         self.synthetic_length = synthetic_length
+        self.slots, self.context = slots, context  # parallel sequences (continuous batching), their total context
         self.draft_tokens, self.spec_type = draft_tokens, spec_type
         self.threads = threads or max(1, os.cpu_count() or 1)
         self.port = port
@@ -301,7 +309,7 @@ class LlamaServer:
 
     def command(self) -> list[str]:
         command = [str(self.engine.server), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)]
-        command += ["-np", "1", "-c", "4096", "-t", str(self.threads), "--no-webui"]
+        command += ["-np", str(self.slots), "-c", str(self.context), "-t", str(self.threads), "--no-webui"]
         if self.draft is not None:
             command += ["-md", str(self.draft), "--spec-type", self.spec_type]
             command += ["--spec-draft-n-max", str(self.draft_tokens), "--spec-draft-p-min", "0"]

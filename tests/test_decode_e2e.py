@@ -319,3 +319,35 @@ def test_sigterm_mid_request_records_the_serving_interrupted_and_a_rerun_logs_ea
     assert client.get_run(run.run_id).data.tags[tracking.TAG_SERVED_STATUS] == "finished"
     assert rows() == before + 1, "the rerun logs each served metric once"
     assert not list((e2e_workdir / "served" / "servers").glob("*.json")), "no server is left recorded"
+
+
+def test_regeneration_through_llama_server_matches_hf_greedy_except_at_near_ties_and_resumes(
+    e2e_workspace, e2e_workdir, tmp_path
+):
+    """`regenerate_with: llama.cpp`: three slots decode at once; at T = 0 every reply is the target's greedy one
+    (transformers, unpadded) unless a counted near-tie of the target flipped a token; a turn the journal already
+    holds (a regeneration killed after it) is not requested again."""
+    from harness.data import DataConfig, load_conversations
+    from harness.regeneration import Journal, regenerate, template_ids
+    from harness.served import cause_of
+
+    target, tokenizer = e2e_workspace.target, e2e_workspace.target.tokenizer
+    config = DataConfig(
+        num_conversations=7, num_validation=1, max_new_tokens=24, regenerate_with="llama.cpp", generation_batch_size=3
+    )
+    conversations = load_conversations(config, e2e_workdir)
+    journal = Journal(tmp_path / "journal.jsonl")
+    journal.add(0, 0, "a reply from before the kill")
+    dialogues = regenerate(target, conversations, config, Journal(journal.path), e2e_workdir)
+    assert dialogues[0][1]["content"] == "a reply from before the kill"
+    log = (e2e_workdir / "served" / "regeneration.log").read_text()
+    assert log.count("launch_slot_") == 6 and "n_slots = 3" in log, "six requests, on three slots"
+    prompts = [template_ids(tokenizer, d[:1], add_generation_prompt=True) for d in dialogues[1:]]
+    references = target_greedy(target.model, tokenizer, prompts, 24, {tokenizer.eos_token_id})
+    flips = []
+    for prompt, reference, dialogue in zip(prompts, references, dialogues[1:], strict=True):
+        if dialogue[1]["content"] != tokenizer.decode(reference, skip_special_tokens=True).strip():
+            served = tokenizer(dialogue[1]["content"], add_special_tokens=False)["input_ids"]
+            flips.append(cause_of(target, prompt, reference, served))
+    assert all("near-tie" in f and "not a near-tie" not in f for f in flips), flips
+    assert len(flips) <= 1, flips
