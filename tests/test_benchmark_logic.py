@@ -65,3 +65,19 @@ def test_a_verdict_counts_only_from_the_fit_after_which_every_later_fit_agrees()
     assert standing_from([True, True]) == 0
     assert standing_from([True, False]) is None  # the whole design does not resolve: no verdict
     assert standing_from([]) is None
+
+
+def test_a_speedup_row_pools_prompts_by_category_and_counts_what_the_drafts_gave():
+    """Two categories of two prompts: the draft runs 30 and 60 tokens/s where the target alone runs 60 (a ratio
+    of sums: 0.75 overall); 3 accepted drafts over 4 cycles (accepted length 1.75); 3 of 40 tokens from drafts."""
+    from benchmarks.speedup import row
+    from harness.serving import Completion
+
+    def done(speed, accepted=(), drafted=0):
+        return Completion(tokens=[0] * 10, accepted=list(accepted), tokens_per_s=speed, draft_n_accepted=drafted)
+
+    alone = {"math": [done(60), done(60)], "coding": [done(60), done(60)]}
+    served = {"math": [done(30, [1, 0], 1), done(30, [2], 2)], "coding": [done(60, [0]), done(60)]}
+    name, speedup, length, from_drafts, categories = row("`d`", served, alone)
+    assert speedup.startswith("0.75 [") and length == "1.75" and from_drafts == "7.5%"
+    assert categories == "math 0.50 · coding 1.00"

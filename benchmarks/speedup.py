@@ -1,0 +1,158 @@
+"""The served speed-up as users measure it: tokens/s with a trained draft over the target alone, in llama.cpp, on
+MT-bench first turns by category, at T = 0 and a fixed number of new tokens, with a 95% interval over prompts;
+beside it, in the same run and on the same prompts, llama.cpp's training-free speculation (the n-gram types), and
+the draft's break-even on this machine. With the f32 target (the agreement check's setting) and the shipped Q4_1
+target (what a user serves).
+
+    python -m benchmarks.speedup --workdir work --run RUN      # appends to benchmarks/SPEEDUP.md
+
+Run it on a quiet machine: it times decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections import defaultdict
+from datetime import UTC, datetime
+from pathlib import Path
+
+from benchmarks.budget_transfer import cpu_model
+from harness import break_even
+from harness.evaluate import mtbench_records, prompt_ids
+from harness.run import SERVED_DIR, Run, server_records
+from harness.served import accepted_length, gguf_files
+from harness.serving import Completion, LlamaServer, find_engine
+from harness.targets import embedded_gguf_path, load_target
+from harness.train import checkpoint_config, restore_draft
+from harness.uncertainty import ratio_estimate
+
+OUT = Path(__file__).parent / "SPEEDUP.md"
+NGRAM_TYPES = ("ngram-mod", "ngram-map-k", "ngram-cache", "ngram-simple")
+
+
+def prompts_by_category(tokenizer, per_category: int) -> dict[str, list[list[int]]]:
+    found: dict[str, list[list[int]]] = defaultdict(list)
+    for record in mtbench_records():
+        if len(found[record["category"]]) < per_category:
+            found[record["category"]].append(prompt_ids(tokenizer, record["turns"][0]))
+    return dict(found)
+
+
+def serve_all(server: LlamaServer, prompts: dict[str, list[list[int]]], tokens: int) -> dict[str, list[Completion]]:
+    return {
+        category: [server.complete(p, tokens, ignore_eos=True) for p in group] for category, group in prompts.items()
+    }
+
+
+def row(name: str, served: dict[str, list[Completion]], alone: dict[str, list[Completion]]) -> list[str]:
+    """Speed-up overall and per category, and what the drafts did: accepted length over drafting cycles, and the
+    share of generated tokens that came from accepted drafts."""
+    speed = lambda runs: [c.tokens_per_s for group in runs.values() for c in group]  # noqa: E731
+    overall = ratio_estimate(speed(served), speed(alone))
+    completions = [c for group in served.values() for c in group]
+    cycles = [a for c in completions for a in c.accepted]
+    tokens = sum(len(c.tokens) for c in completions)
+    by_category = {
+        category: ratio_estimate([c.tokens_per_s for c in served[category]], [c.tokens_per_s for c in group])
+        for category, group in alone.items()
+    }
+    per_category = " · ".join(f"{category} {found.value:.2f}" for category, found in by_category.items())
+    return [
+        name,
+        overall.text(),
+        f"{accepted_length(cycles):.2f}" if cycles else "no drafts",
+        f"{sum(c.draft_n_accepted for c in completions) / tokens:.1%}" if tokens else "-",
+        per_category,
+    ]
+
+
+def measure(args: argparse.Namespace) -> str:
+    engine = find_engine()
+    run = Run.locate(args.run, args.workdir)
+    state = run.load_checkpoint()
+    config = checkpoint_config(state)
+    target = load_target(config.target, run.workdir, config.algorithm.shared.mask_token_id)
+    draft = restore_draft(state, target)
+    f32_target, draft_gguf = gguf_files(engine, run, draft, target)
+    block = draft.block_size - draft.shared.first_draft_slot
+    spec_type = draft.algorithm.entry.export_format.serve_as
+    prompts = prompts_by_category(target.tokenizer, args.per_category)
+    logs, records = run.path(SERVED_DIR) / "speedup", server_records(run.workdir)
+    sections = []
+    for target_name, model in {"f32": f32_target, "Q4_1 (shipped)": embedded_gguf_path(config.target)}.items():
+        started = time.monotonic()
+        tag = target_name.split()[0]
+        with LlamaServer(engine, model, logs / f"{tag}-alone.log", records) as server:
+            alone = serve_all(server, prompts, args.tokens)
+        with LlamaServer(engine, model, logs / f"{tag}-draft.log", records, draft_gguf, block, spec_type) as server:
+            rows = [
+                row(
+                    f"`{run.name}` ({config.algorithm.algorithm}, block {block + 1})",
+                    serve_all(server, prompts, args.tokens),
+                    alone,
+                )
+            ]
+        for ngram in NGRAM_TYPES:
+            with LlamaServer(engine, model, logs / f"{tag}-{ngram}.log", records, spec_type=ngram) as server:
+                rows.append(row(f"`{ngram}`", serve_all(server, prompts, args.tokens), alone))
+        flat = [p for group in prompts.values() for p in group][: args.break_even_prompts]
+        found = break_even.measure(
+            engine,
+            model,
+            draft_gguf,
+            block,
+            spec_type,
+            flat,
+            args.tokens,
+            logs,
+            records,
+            lengths=break_even.synthetic_lengths(block, 5),
+        )
+        alone_speed = sum(c.tokens_per_s for g in alone.values() for c in g) / sum(len(g) for g in alone.values())
+        sections += [
+            f"### {target_name} target: alone {alone_speed:.1f} tokens/s ({(time.monotonic() - started) / 60:.0f} min)",
+            "",
+            "| drafter | speed-up [95%] | accepted length (drafting cycles) | tokens from drafts | by category |",
+            "| --- | --- | --- | --- | --- |",
+            *("| " + " | ".join(cells) + " |" for cells in rows),
+            "",
+            f"Break-even of this draft's shape on this target: accepted length {found.text()} (cycle cost "
+            f"{found.cycle_cost:.2f} plain tokens).",
+            "",
+        ]
+    count = sum(len(g) for g in prompts.values())
+    return "\n".join(
+        [
+            f"## `{run.name}` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+            "",
+            f"{cpu_model()} ({os.cpu_count()} cores), llama.cpp {engine.commit[:9]}; `python -m benchmarks.speedup "
+            f"--workdir {args.workdir} --run {args.run} --per-category {args.per_category} --tokens {args.tokens}`. "
+            f"{count} MT-bench first turns ({args.per_category} per category, the first by question id), "
+            f"{args.tokens} new tokens each (`ignore_eos`), T = 0. The run: {config.train.max_steps} steps, "
+            f"{config.data.num_conversations} conversations.",
+            "",
+            *sections,
+        ]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, default=Path("work"), help="work directory (default: ./work)")
+    parser.add_argument("--run", required=True, help="the trained run whose draft is served (name or directory)")
+    parser.add_argument("--per-category", type=int, default=3, help="MT-bench prompts per category (default: 3)")
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens per request (default: 128)")
+    parser.add_argument("--break-even-prompts", type=int, default=8, help="prompts of the break-even (default: 8)")
+    parser.add_argument("--out", type=Path, default=OUT, help=f"markdown file appended to (default: {OUT})")
+    args = parser.parse_args()
+    section = measure(args)
+    header = "" if args.out.exists() else "# Served speed-up: trained drafts beside llama.cpp's n-gram types\n\n"
+    with open(args.out, "a") as out:
+        out.write(header + section + "\n")
+    print(section)
+
+
+if __name__ == "__main__":
+    main()
