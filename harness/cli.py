@@ -486,10 +486,21 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
 
 
+def installed_version() -> str:
+    """The installed package's version (pyproject.toml's), or where a checkout runs without installing it."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("dflash-lab")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run bash scripts/setup.sh)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from harness.config import EvalConfig
 
     parser = OneLineParser(prog="dflash-lab", description="Train, compare and ablate DFlash-family draft models.")
+    parser.add_argument("--version", action="version", version=f"dflash-lab {installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser(

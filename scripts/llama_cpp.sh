@@ -38,7 +38,7 @@ if ! built; then
   rm -rf "$ROOT/src"
   mv "$work/llama_cpp_python-$SDIST_VERSION/vendor/llama.cpp" "$ROOT/src"
   rm -f "$ROOT/src/.git" # a submodule pointer into the sdist's own repository, which the sdist does not ship
-  command -v cmake >/dev/null && command -v ninja >/dev/null || $PIP install cmake ninja
+  command -v cmake >/dev/null && command -v ninja >/dev/null || $PIP install --no-warn-conflicts cmake ninja
   PATH="$PWD/.venv/bin:$PATH"
   cmake -S "$ROOT/src" -B "$ROOT/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
@@ -52,5 +52,5 @@ fi
 
 # The converter (convert_hf_to_gguf.py) needs sentencepiece; it runs with the tree's own gguf-py on its path, so
 # the gguf package that loads the embedded target stays the one the project pins.
-$PIP install sentencepiece
+$PIP install --no-warn-conflicts sentencepiece
 echo "llama.cpp ${COMMIT:0:9}: llama-server $built in $ROOT ($(($(date +%s) - started)) s, $(du -sh "$ROOT" | cut -f1))"

@@ -40,6 +40,14 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(f"Report: {report}")
     print(tracking.ui_hint(args.workdir, tracking.experiment_name(definition.name)))
     print(f"Regenerate the report any time with: dflash-lab report {definition.name} --workdir {args.workdir}")
+    if failed := summary.get("failed_trials"):
+        number, reason = next(iter(failed.items()))
+        total = sum(summary["trials"].values())
+        raise SystemExit(
+            f"error: {len(failed)} of {total} trials of study {definition.name} failed (trial {number}: "
+            f"{reason.splitlines()[0] if reason else 'no reason'}); `dflash-lab study status {definition.name}` "
+            "lists them with their reasons"
+        )
     return 0
 
 

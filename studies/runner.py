@@ -124,6 +124,16 @@ def finished_count(study: optuna.Study) -> int:
     return sum(1 for t in study.get_trials(deepcopy=False, states=states) if t.number not in interrupted)
 
 
+def failed_trials(study: optuna.Study) -> dict[int, str]:
+    """Trials that failed for a reason other than an interruption (whose point runs again), with the reason."""
+    interrupted = set(study.user_attrs.get(ATTR_INTERRUPTED, []))
+    return {
+        t.number: t.user_attrs.get(ATTR_FAIL_REASON, "no reason recorded")
+        for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.FAIL,))
+        if t.number not in interrupted
+    }
+
+
 def with_budget(
     definition: StudyDefinition, algorithm: AlgorithmConfig, seed: int | None = None, steps: int | None = None
 ) -> RunConfig:
@@ -510,6 +520,8 @@ class StudyRunner:
             count = len(self.study.get_trials(deepcopy=False, states=(state,)))
             if count:
                 summary["trials"][state.name.lower()] = count
+        if failed := failed_trials(self.study):
+            summary["failed_trials"] = failed
         completed = self.completed_at_first_budget()
         client = tracking.client(self.workdir)
         logged = tracking.ChangedMetrics(client, self.parent_run_id)

@@ -340,3 +340,26 @@ def test_an_error_after_an_unfinished_progress_bar_starts_its_own_line(capsys, m
     assert lines[-1] == "error: interrupted (Ctrl-C)"
     assert lines[-2].startswith("regenerating responses:   0%")
     assert bar not in tqdm._instances
+
+
+def test_version_names_the_installed_package(cli):
+    import importlib.metadata
+
+    done = cli(["--version"])
+    assert done.returncode == 0 and done.stdout.strip() == f"dflash-lab {importlib.metadata.version('dflash-lab')}"
+
+
+def test_a_launch_whose_trials_failed_exits_non_zero_with_a_one_line_count(cli, monkeypatch, tmp_path):
+    """The summary, the MLflow line and the rebuild hint come first; the last line counts the failures (an
+    interrupted trial, which runs again, is not one: studies.runner.failed_trials)."""
+    import studies.runner
+
+    summary = {"study": "tiny", "trials": {"complete": 2, "fail": 1}, "failed_trials": {1: "RuntimeError: boom\nmore"}}
+    monkeypatch.setattr(studies.runner, "launch", lambda *args, **kwargs: summary)
+    done = cli(["study", "launch", "tests/data/tiny_study.yaml", "--workdir", str(tmp_path), "--no-report"])
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "error: 1 of 3 trials of study tiny failed (trial 1: RuntimeError: boom); `dflash-lab study status tiny` "
+        "lists them with their reasons"
+    )
+    assert "Regenerate the report any time with" in done.stdout
