@@ -1,8 +1,8 @@
 """The served speed-up as users measure it: tokens/s with a trained draft over the target alone, in llama.cpp, on
-MT-bench first turns by category, at T = 0 and a fixed number of new tokens, with a 95% interval over prompts;
-beside it, in the same run and on the same prompts, llama.cpp's training-free speculation (the n-gram types), and
-the draft's break-even on this machine. With the f32 target (the agreement check's setting) and the shipped Q4_1
-target (what a user serves).
+MT-bench first turns by category and held-out chat prompts, at T = 0 and a fixed number of new tokens, with a 95%
+interval over prompts; beside it, in the same run and on the same prompts, llama.cpp's training-free speculation
+(the n-gram types), and the draft's break-even on this machine. With the f32 target (the agreement check's setting)
+and the shipped Q4_1 target (what a user serves).
 
     python -m benchmarks.speedup --workdir work --run RUN      # appends to benchmarks/SPEEDUP.md
 
@@ -20,7 +20,8 @@ from pathlib import Path
 
 from benchmarks.budget_transfer import cpu_model
 from harness import break_even
-from harness.evaluate import mtbench_records, prompt_ids
+from harness.data import prepare_documents
+from harness.evaluate import chat_prompt_ids, mtbench_records, prompt_ids
 from harness.run import SERVED_DIR, Run, server_records
 from harness.served import accepted_length, gguf_files
 from harness.serving import Completion, LlamaServer, find_engine
@@ -30,6 +31,7 @@ from harness.uncertainty import ratio_estimate
 
 OUT = Path(__file__).parent / "SPEEDUP.md"
 NGRAM_TYPES = ("ngram-mod", "ngram-map-k", "ngram-cache", "ngram-simple")
+CHAT = "chat (held-out)"
 
 
 def prompts_by_category(tokenizer, per_category: int) -> dict[str, list[list[int]]]:
@@ -79,6 +81,8 @@ def measure(args: argparse.Namespace) -> str:
     block = draft.block_size - draft.shared.first_draft_slot
     spec_type = draft.algorithm.entry.export_format.serve_as
     prompts = prompts_by_category(target.tokenizer, args.per_category)
+    if args.chat:  # the run's own held-out conversations, up to their first assistant token
+        prompts[CHAT] = chat_prompt_ids(prepare_documents(target, config.data, run.workdir).validation, args.chat)
     logs, records = run.path(SERVED_DIR) / "speedup", server_records(run.workdir)
     sections = []
     for target_name, model in {"f32": f32_target, "Q4_1 (shipped)": embedded_gguf_path(config.target)}.items():
@@ -128,8 +132,10 @@ def measure(args: argparse.Namespace) -> str:
             f"## `{run.name}` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
             "",
             f"{cpu_model()} ({os.cpu_count()} cores), llama.cpp {engine.commit[:9]}; `python -m benchmarks.speedup "
-            f"--workdir {args.workdir} --run {args.run} --per-category {args.per_category} --tokens {args.tokens}`. "
-            f"{count} MT-bench first turns ({args.per_category} per category, the first by question id), "
+            f"--workdir {args.workdir} --run {args.run} --per-category {args.per_category} --chat {args.chat} "
+            f"--tokens {args.tokens}`. "
+            f"{count} prompts: MT-bench first turns ({args.per_category} per category, the first by question id) and "
+            f"{args.chat} of the run's held-out chat conversations, "
             f"{args.tokens} new tokens each (`ignore_eos`), T = 0. The run: {config.train.max_steps} steps, "
             f"{config.data.num_conversations} conversations.",
             "",
@@ -143,6 +149,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("work"), help="work directory (default: ./work)")
     parser.add_argument("--run", required=True, help="the trained run whose draft is served (name or directory)")
     parser.add_argument("--per-category", type=int, default=3, help="MT-bench prompts per category (default: 3)")
+    parser.add_argument("--chat", type=int, default=8, help="held-out chat prompts of the run (default: 8)")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per request (default: 128)")
     parser.add_argument("--break-even-prompts", type=int, default=8, help="prompts of the break-even (default: 8)")
     parser.add_argument("--out", type=Path, default=OUT, help=f"markdown file appended to (default: {OUT})")
