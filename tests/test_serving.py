@@ -403,3 +403,36 @@ def test_a_second_process_waits_for_the_runs_serving_lock_and_says_whom_it_waits
     holder.wait()
     assert waited > 1.0, "the lock was taken only after the first process let it go (it held it 1.5 s)"
     assert f"serving run r: waiting for process {holder.pid}" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "stop, status, reason",
+    [
+        (EngineError("llama-server died during a request (killed by signal 9): ..."), "failed", "llama-server died"),
+        (KeyboardInterrupt(), "interrupted", "interrupted (Ctrl-C)"),
+    ],
+    ids=["server-died", "ctrl-c"],
+)
+def test_a_serving_that_stops_early_is_recorded_with_its_reason_never_left_running(
+    tmp_path, monkeypatch, stop, status, reason
+):
+    """The run's served state reads running only while it serves; a stop records failed or interrupted, and
+    nothing served is logged."""
+    import mlflow
+
+    from harness import tracking
+    from harness.run import Run
+    from harness.served import served_status, serving
+    from harness.tracking import RunStatus
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run = Run(tmp_path, "served-run", experiment="serving-check")
+    with run.active({}):
+        pass
+    with pytest.raises(type(stop)), serving(run):
+        assert served_status(run) is RunStatus.RUNNING
+        raise stop
+    tags = run.tags()
+    assert tags[tracking.TAG_SERVED_STATUS] == status and tags[tracking.TAG_SERVED_REASON].startswith(reason)
+    assert not tracking.client(tmp_path).get_run(run.run_id).data.metrics
+    mlflow.set_tracking_uri("")
