@@ -39,6 +39,11 @@ class TrainConfig:
         "wsd: shorter budgets to branch from this run: a checkpoint of the stable stretch is kept where each "
         "budget's decay starts, and `train --branch-of RUN --max-steps B` anneals it to B",
     )
+    init_from: str | None = knob(
+        None,
+        "an export directory (ours, or a released draft of the same shape) whose weights start this run; the "
+        "optimizer and schedule start fresh",
+    )
     branch_of: str | None = knob(
         None, "the wsd run this one branches from: it starts from that run's stable checkpoint and decays to max_steps"
     )

@@ -188,3 +188,27 @@ def load_exported_weights(draft: DFlashDraft, checkpoint_dir: Path) -> DFlashDra
     state = load_file(Path(checkpoint_dir) / "model.safetensors")
     draft.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
     return draft
+
+
+def warm_start(draft: DFlashDraft, checkpoint_dir: Path) -> None:
+    """Start `draft` from an export's weights (ours, or a released one in the same layout) once every tensor's name
+    and shape match: a mismatch is refused in one line naming the first tensor that differs."""
+    weights = Path(checkpoint_dir) / EXPORT_FILES[1]
+    flag = f"invalid --init-from={str(checkpoint_dir)!r}"
+    if not weights.is_file():
+        raise FileNotFoundError(
+            f"{flag}: no {EXPORT_FILES[1]} there; allowed an export directory (`dflash-lab export`, or a released "
+            "draft in the Z Lab / speculators layout)"
+        )
+    state, own = load_file(weights), draft.state_dict()
+    for name in sorted(set(own) | set(state)):
+        if name not in state:
+            problem = f"it has no tensor {name}"
+        elif name not in own:
+            problem = f"its tensor {name} has no place in this run's draft"
+        elif state[name].shape != own[name].shape:
+            problem = f"its {name} has shape {list(state[name].shape)}, this run's draft {list(own[name].shape)}"
+        else:
+            continue
+        raise ValueError(f"{flag}: {problem}; allowed an export of a draft of this run's shape (block, layers, knobs)")
+    draft.load_state_dict({name: value.float() for name, value in state.items()}, strict=True)

@@ -34,6 +34,7 @@ from harness.config import ONLINE_FEATURES, RunConfig, decay_steps, learning_rat
 from harness.data import PreparedData, prepare_documents
 from harness.devices import autocast, computes_in, generator, synchronize, to_device, uses_bf16
 from harness.distributed import SINGLE, Ranks, full_state, load_full_state, plain_number, shard, unsharded_copy
+from harness.export import warm_start
 from harness.features import FeatureSource, OnlineFeatures, document_rows, fill, load_or_build, packed_rows
 from harness.files import atomic_write, remove_stale_temporaries
 from harness.plots import per_position_figure
@@ -264,7 +265,10 @@ class TrainingRecipe:
         replica, refreshed before each validation, which validation and inference run on."""
         train = self.config.train
         torch.manual_seed(train.seed)
-        draft = build_for_target(self.config, self.workspace.target).to(self.device)
+        draft = build_for_target(self.config, self.workspace.target)
+        if train.init_from:
+            warm_start(draft, Path(train.init_from))
+        draft = draft.to(self.device)
         self.replica = draft
         if self.ranks.distributed:
             with torch.random.fork_rng(devices=[]):

@@ -200,3 +200,31 @@ def test_a_branch_refuses_a_parent_without_its_stable_checkpoint_or_with_other_k
     other = _wsd_recipe(tmp_path, "trunk-decay8", 8, branch_of="trunk", learning_rate=0.01)
     with pytest.raises(ValueError, match=r"learning_rate=0.01, but that run trained with 0.001"):
         other.branch()
+
+
+def test_a_run_starts_from_an_export_of_its_shape_and_refuses_another_in_one_line(tmp_path):
+    """`init_from`: the export's weights (bf16, as exported) become the run's first weights; an export of another
+    shape is refused naming the first tensor that differs."""
+    import torch
+
+    from harness.export import export_checkpoint
+
+    source = _wsd_recipe(tmp_path, "source", 4, schedule="linear")
+    _steps(source, 0, 4)
+    export_checkpoint(source.replica, tmp_path / "export", "verifier")
+    warm = _wsd_recipe(tmp_path, "warm", 4, schedule="linear", init_from=str(tmp_path / "export"))
+    for (name, ours), theirs in zip(warm.draft.named_parameters(), source.draft.parameters(), strict=True):
+        if ours.requires_grad:
+            assert torch.equal(ours, theirs.detach().to(torch.bfloat16).float()), name
+    config = RunConfig(AlgorithmConfig.preset("dflash", block_size=4, num_draft_layers=2, candidate_top_k=4))
+    config.algorithm = config.algorithm.replace(mask_token_id=5, target_layer_ids=[2, 4, 5])
+    config.train.init_from = str(tmp_path / "export")
+    from harness.run import Run
+    from harness.train import TrainingRecipe
+
+    with pytest.raises(ValueError, match=r"invalid --init-from='.*export': it has no tensor layers\.1\.") as refused:
+        TrainingRecipe(config, _workspace(tmp_path, [packed_row()]), Run(tmp_path, "other-shape"))
+    assert len(str(refused.value).splitlines()) == 1
+    config.train.init_from = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"no model.safetensors there; allowed an export directory"):
+        TrainingRecipe(config, _workspace(tmp_path, [packed_row()]), Run(tmp_path, "no-export"))
