@@ -24,7 +24,7 @@ from harness.evaluate import mtbench_questions, prompt_ids
 from harness.export import export_checkpoint
 from harness.presets import preset_run
 from harness.run import SERVED_DIR, server_records
-from harness.serving import find_engine, to_gguf
+from harness.serving import find_engine, target_gguf, to_gguf
 from harness.targets import embedded_gguf_path, load_target
 from harness.train import build_for_target, with_target_defaults
 
@@ -32,9 +32,9 @@ OUT = Path(__file__).parent / "BREAK_EVEN.md"
 TARGET = "smollm2-135m"
 
 
-def draft_gguf(engine, target, workdir: Path, block: int, layers: int) -> tuple[Path, int, str]:
-    """A freshly initialised DFlash2 draft of this shape, exported and converted once: (GGUF, drafted tokens per
-    cycle, llama.cpp's speculative type)."""
+def draft_gguf(engine, target, workdir: Path, block: int, layers: int, outtype: str) -> tuple[Path, int, str]:
+    """A freshly initialised DFlash2 draft of this shape, exported and converted once (to `outtype`): (GGUF, drafted
+    tokens per cycle, llama.cpp's speculative type)."""
     config = preset_run("small", "dflash2", TARGET)
     config = with_target_defaults(
         type(config)(config.algorithm.replace(block_size=block, num_draft_layers=layers), config.train, config.data),
@@ -44,7 +44,14 @@ def draft_gguf(engine, target, workdir: Path, block: int, layers: int) -> tuple[
     shapes = workdir / SERVED_DIR / "break-even-shapes" / f"block{block}-layers{layers}"
     if not (shapes / "export" / "config.json").is_file():
         export_checkpoint(draft, shapes / "export", target.source)
-    gguf = to_gguf(engine, shapes / "export", shapes / "draft-f32.gguf", f"a block-{block} draft", Path(target.source))
+    gguf = to_gguf(
+        engine,
+        shapes / "export",
+        shapes / f"draft-{outtype}.gguf",
+        f"a block-{block} draft",
+        Path(target.source),
+        outtype,
+    )
     return gguf, draft.block_size - draft.shared.first_draft_slot, config.algorithm.entry.export_format.serve_as
 
 
@@ -52,21 +59,19 @@ def measure_all(args: argparse.Namespace) -> list[dict]:
     engine = find_engine()
     target = load_target(TARGET, args.workdir)
     targets = {
-        "f32": to_gguf(
-            engine, Path(target.source), args.workdir / SERVED_DIR / f"target-{target.weights_hash}-f32.gguf", "target"
-        ),
+        "f32": target_gguf(engine, args.workdir / SERVED_DIR, target.source, target.weights_hash),
         "Q4_1 (shipped)": embedded_gguf_path(TARGET),
     }
     prompts = [prompt_ids(target.tokenizer, q) for q in mtbench_questions(args.prompts)]
     logs = args.workdir / SERVED_DIR / "break-even-logs"
     results = []
     for block, layers in itertools.product(args.blocks, args.layers):
-        gguf, drafted, spec_type = draft_gguf(engine, target, args.workdir, block, layers)
-        for name, target_gguf in targets.items():
+        gguf, drafted, spec_type = draft_gguf(engine, target, args.workdir, block, layers, args.draft_outtype)
+        for name, model in targets.items():
             started = time.monotonic()
             found = break_even.measure(
                 engine,
-                target_gguf,
+                model,
                 gguf,
                 drafted,
                 spec_type,
@@ -102,14 +107,17 @@ def markdown(results: list[dict], args: argparse.Namespace, seconds: float) -> s
     flags = Path("/proc/cpuinfo").read_text()
     return "\n".join(
         [
-            "# Break-even: the accepted length at which a drafter pays for itself, by shape",
+            f"# Break-even: the accepted length at which a drafter pays for itself, by shape ({args.draft_outtype} "
+            "draft)",
             "",
             f"Measured {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {cpu} ({os.cpu_count()} cores, "
             f"{'native bf16' if 'avx512_bf16' in flags or 'amx_bf16' in flags else 'no native bf16'}), "
             f"llama.cpp {find_engine().commit[:9]}, in {seconds / 60:.1f} minutes, by `python -m benchmarks.break_even "
-            f"--workdir {args.workdir} --prompts {args.prompts} --tokens {args.tokens} --points {args.points}`.",
+            f"--workdir {args.workdir} --prompts {args.prompts} --tokens {args.tokens} --points {args.points} "
+            f"--draft-outtype {args.draft_outtype}`.",
             "",
-            f"Target {TARGET} alone and with a freshly initialised DFlash2 draft (the `small` preset's knobs at each "
+            f"Target {TARGET} alone and with a freshly initialised DFlash2 draft converted to {args.draft_outtype} "
+            f"GGUF (the `small` preset's knobs at each "
             f"block size and depth), at synthetic accepted lengths from 1 (nothing accepted) to the block, on the "
             f"first {args.prompts} MT-bench first turns, {args.tokens} new tokens each, T = 0 (`ignore_eos`). "
             "*Speed-up* is tokens/s with the draft over the target alone (a ratio of sums over prompts); *cycle cost* "
@@ -132,8 +140,17 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=5, help="MT-bench prompts (default: 5)")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per request (default: 128)")
     parser.add_argument("--points", type=int, default=5, help="synthetic accepted lengths per curve (default: 5)")
-    parser.add_argument("--out", type=Path, default=OUT, help=f"markdown file (default: {OUT})")
+    parser.add_argument(
+        "--draft-outtype",
+        choices=("f32", "bf16", "q8_0"),
+        default="f32",
+        help="the draft GGUF's type (default: f32, what `evaluate --engine` serves)",
+    )
+    parser.add_argument("--out", type=Path, help=f"markdown file (default: {OUT}, or BREAK_EVEN_<TYPE>_DRAFT.md)")
     args = parser.parse_args()
+    args.out = args.out or (
+        OUT if args.draft_outtype == "f32" else OUT.with_name(f"BREAK_EVEN_{args.draft_outtype.upper()}_DRAFT.md")
+    )
     started = time.monotonic()
     results = measure_all(args)
     args.out.write_text(markdown(results, args, time.monotonic() - started))

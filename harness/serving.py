@@ -156,8 +156,11 @@ def file_lock(path: Path, waiting: str) -> Iterator[None]:
             handle.truncate()
 
 
-def to_gguf(engine: Engine, source: Path, out: Path, what: str, target_dir: Path | None = None) -> Path:
-    """Convert a Hugging Face directory (a target, or a draft export with its target) to an f32 GGUF, once.
+def to_gguf(
+    engine: Engine, source: Path, out: Path, what: str, target_dir: Path | None = None, outtype: str = "f32"
+) -> Path:
+    """Convert a Hugging Face directory (a target, or a draft export with its target) to a GGUF (f32 unless told:
+    q8_0 and bf16 are the converter's other types), once.
 
     The conversion writes a temporary and renames it, then stamps the file with its size and checksum; a cached
     file is served only when its stamp checks out, and is rebuilt otherwise. A lock per file makes a second
@@ -172,7 +175,7 @@ def to_gguf(engine: Engine, source: Path, out: Path, what: str, target_dir: Path
             log.warning("rebuilding %s: %s", out, problem)
             remove(stamp_path)
             remove(out)
-        command = [sys.executable, str(engine.converter), str(source), "--outtype", "f32"]
+        command = [sys.executable, str(engine.converter), str(source), "--outtype", outtype]
         if target_dir is not None:
             command += ["--target-model-dir", str(target_dir)]
         env = {**os.environ, "PYTHONPATH": str(engine.gguf_py)}
