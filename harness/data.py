@@ -38,7 +38,7 @@ class DataConfig:
     regenerate_with: str = knob(
         "hf",
         "hf: transformers' generate; llama.cpp: llama-server from the target's f32 GGUF, generation_batch_size "
-        "slots decoding at once (several times faster on a CPU; built by scripts/setup.sh)",
+        "slots decoding at once (2.3x as fast on a 2-core CPU; built by scripts/setup.sh)",
         choices=REGENERATORS,
     )
     max_new_tokens: int = knob(96, "tokens per regenerated assistant turn")
