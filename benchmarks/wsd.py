@@ -20,12 +20,15 @@ from pathlib import Path
 
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
 from benchmarks.budget_transfer import cpu_model
+from harness import tracking
 from harness.config import RunConfig, decay_steps
+from harness.run import Run
 from harness.train import prepare_workspace, train
 from harness.uncertainty import mean_estimate
 from studies.schema import load_study
 
 OUT = Path(__file__).parent / "WSD.md"
+TAG = "wsd-bench"  # run names: a second launch reads finished runs back and resumes a killed one
 STUDY = Path(__file__).parent.parent / "studies" / "default.yaml"
 
 
@@ -33,36 +36,47 @@ def with_train(config: RunConfig, **train) -> RunConfig:
     return dataclasses.replace(config, train=dataclasses.replace(config.train, **train))
 
 
-def one_seed(base: RunConfig, workspace, seed: int, trunk: int, budget: int, tag: str) -> dict[str, float]:
-    """The seed's three runs; returns each arm's final realized accepted length and wall time."""
-    found = {}
+def trained(config: RunConfig, workspace, name: str) -> tuple[float, float | None]:
+    """The run's final realized accepted length and its wall time: a finished run of this name is read back (its
+    wall time from MLflow: first start to last end, a resumed run's pause included), a killed one resumes, a new one
+    trains."""
+    run = Run(workspace.workdir, name)
+    if run.has_checkpoint():
+        state = run.load_checkpoint()
+        if state["step"] == config.train.max_steps:
+            info = tracking.client(workspace.workdir).get_run(run.run_id).info
+            wall = (info.end_time - info.start_time) / 1000 if info.end_time else None
+            return state["history"][-1][REALIZED_ACCEPTED_LENGTH], wall
     started = time.monotonic()
-    trunk_name = f"{tag}-trunk{trunk}-seed{seed}"
-    train(
-        with_train(base, seed=seed, schedule="wsd", max_steps=trunk, branches=[budget]), workspace, run_name=trunk_name
-    )
-    found["trunk_s"] = time.monotonic() - started
-    started = time.monotonic()
+    result = train(config, workspace, run_name=name, resume=run.exists())
+    return result.validation[REALIZED_ACCEPTED_LENGTH], time.monotonic() - started
+
+
+def one_seed(base: RunConfig, workspace, seed: int, trunk: int, budget: int) -> dict[str, float | None]:
+    """The seed's three runs: each arm's final realized accepted length and wall time."""
+    found: dict[str, float | None] = {}
+    trunk_name = f"{TAG}-trunk{trunk}-seed{seed}"
+    trunk_config = with_train(base, seed=seed, schedule="wsd", max_steps=trunk, branches=[budget])
+    _, found["trunk_s"] = trained(trunk_config, workspace, trunk_name)
     branch = with_train(base, seed=seed, schedule="wsd", max_steps=budget, branch_of=trunk_name)
-    found["wsd"] = train(branch, workspace, run_name=f"{trunk_name}-decay{budget}").validation[REALIZED_ACCEPTED_LENGTH]
-    found["branch_s"] = time.monotonic() - started
-    started = time.monotonic()
+    found["wsd"], found["branch_s"] = trained(branch, workspace, f"{trunk_name}-decay{budget}")
     linear = with_train(base, seed=seed, schedule="linear", max_steps=budget)
-    found["linear"] = train(linear, workspace, run_name=f"{tag}-linear{budget}-seed{seed}").validation[
-        REALIZED_ACCEPTED_LENGTH
-    ]
-    found["linear_s"] = time.monotonic() - started
+    found["linear"], found["linear_s"] = trained(linear, workspace, f"{TAG}-linear{budget}-seed{seed}")
     print(f"seed {seed}: wsd branch {found['wsd']:.4f}, linear {found['linear']:.4f}", flush=True)
     return found
 
 
-def markdown(results: list[dict], args: argparse.Namespace, base: RunConfig, minutes: float) -> str:
+def minutes(seconds: float | None) -> str:
+    return "not recorded" if seconds is None else f"{seconds / 60:.1f}"
+
+
+def markdown(results: list[dict], args: argparse.Namespace, base: RunConfig, took_minutes: float) -> str:
     branched_at = args.budget - decay_steps(args.budget, base.train.decay_ratio)
     differences = mean_estimate([r["wsd"] - r["linear"] for r in results])
     wsd, linear = mean_estimate([r["wsd"] for r in results]), mean_estimate([r["linear"] for r in results])
     rows = [
         f"| {seed} | {r['wsd']:.4f} | {r['linear']:.4f} | {r['wsd'] - r['linear']:+.4f} | "
-        f"{r['trunk_s'] / 60:.1f} + {r['branch_s'] / 60:.1f} | {r['linear_s'] / 60:.1f} |"
+        f"{minutes(r['trunk_s'])} + {minutes(r['branch_s'])} | {minutes(r['linear_s'])} |"
         for seed, r in zip(args.seeds, results, strict=True)
     ]
     verdict = (
@@ -74,9 +88,10 @@ def markdown(results: list[dict], args: argparse.Namespace, base: RunConfig, min
         [
             "# WSD branches against a fresh linear run at one budget",
             "",
-            f"Measured {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {cpu_model()} (2 cores), {minutes:.0f} minutes, by "
-            f"`python -m benchmarks.wsd --workdir {args.workdir} --budget {args.budget} --trunk {args.trunk} "
-            f"--seeds {' '.join(map(str, args.seeds))}`.",
+            f"Measured {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {cpu_model()} (2 cores) by `python -m "
+            f"benchmarks.wsd --workdir {args.workdir} --budget {args.budget} --trunk {args.trunk} --seeds "
+            f"{' '.join(map(str, args.seeds))}` ({took_minutes:.0f} minutes in its last launch; runs a launch finds "
+            "finished are read back, with their wall time from MLflow, which includes any wait under other load).",
             "",
             f"The default study's base config (DFlash2, block {base.algorithm.shared.block_size}, "
             f"lr {base.train.learning_rate}, warmup {base.train.warmup_ratio}, "
@@ -110,8 +125,7 @@ def main() -> None:
     base = load_study(STUDY).base
     started = time.monotonic()
     workspace = prepare_workspace(base, args.workdir)
-    tag = f"wsd-bench-{datetime.now(UTC):%Y%m%d%H%M}"
-    results = [one_seed(base, workspace, seed, args.trunk, args.budget, tag) for seed in args.seeds]
+    results = [one_seed(base, workspace, seed, args.trunk, args.budget) for seed in args.seeds]
     args.out.write_text(markdown(results, args, base, (time.monotonic() - started) / 60))
     print(f"wrote {args.out}")
 
