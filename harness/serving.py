@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import http.client
 import json
@@ -217,15 +218,17 @@ class Completion:
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Resolved here, in the parent: the child between fork and exec only calls it (loading a library there could wait
+# forever on a lock another thread of the parent held at the fork).
+PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int) -> None:
     """Run in the server's process between fork and exec: the kernel sends it SIGKILL when its parent dies, however
-    the parent dies (SIGKILL included). Should the parent already be gone, exit at once: the signal would never come.
-    The signal follows the thread that started the child, so a server is started and stopped by one thread."""
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() != parent:
+    the parent dies (SIGKILL included). Should the parent (`parent`, its pid before the fork) already be gone, exit
+    at once: the signal would never come. The signal follows the thread that started the child, so a server is
+    started and stopped by one thread."""
+    if PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() != parent:
         os._exit(1)
 
 
@@ -346,7 +349,7 @@ class LlamaServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
             env = {**os.environ, "LLAMA_TRACE": "1"}  # one log line per verify step
-            preexec = die_with_parent if sys.platform.startswith("linux") else None
+            preexec = functools.partial(die_with_parent, os.getpid()) if PRCTL is not None else None
             self.process = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec
             )
