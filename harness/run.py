@@ -45,6 +45,7 @@ SERVED_RECORDS_FILE = "served_records.json"
 SERVING_LOCK_FILE = ".serving.lock"  # in a run's SERVED_DIR: held (flock) by the one process serving the run
 SERVERS_DIR = "servers"  # in the work directory's SERVED_DIR: one record per running llama-server
 EXPORT_DIR = "export"
+BATCH_METRICS = 1000  # MLflow's limit on the metrics of one log_batch
 # Checkpoints up to this size are also copied into MLflow's artifact store; larger ones are only tagged.
 ARTIFACT_CHECKPOINT_LIMIT = 64 * 2**20
 
@@ -366,11 +367,14 @@ class Run:
         for path in files:  # an artifact written again replaces the first
             client.log_artifact(self.run_id, str(path))
         now = int(time.time() * 1000)
-        client.log_batch(
-            self.run_id,
-            metrics=[Metric(name, value, now, 0) for name, value in tracking.prefixed(metrics, prefix).items()],
-            tags=[RunTag(key, value) for key, value in (tags or {}).items()],
-        )
+        rows = [Metric(name, value, now, 0) for name, value in tracking.prefixed(metrics, prefix).items()]
+        # MLflow takes at most 1,000 metrics a batch: any before the last batch go first, the tags (a serving's
+        # `finished`) with the last, so the tags never claim metrics that did not land
+        batches = [rows[start : start + BATCH_METRICS] for start in range(0, len(rows), BATCH_METRICS)] or [[]]
+        for batch in batches[:-1]:
+            client.log_batch(self.run_id, metrics=batch)
+        run_tags = [RunTag(key, value) for key, value in (tags or {}).items()]
+        client.log_batch(self.run_id, metrics=batches[-1], tags=run_tags)
 
     def tags(self) -> dict[str, str]:
         """The run's MLflow tags as recorded now."""

@@ -436,3 +436,32 @@ def test_a_serving_that_stops_early_is_recorded_with_its_reason_never_left_runni
     assert tags[tracking.TAG_SERVED_STATUS] == status and tags[tracking.TAG_SERVED_REASON].startswith(reason)
     assert not tracking.client(tmp_path).get_run(run.run_id).data.metrics
     mlflow.set_tracking_uri("")
+
+
+def test_more_metrics_than_one_mlflow_batch_holds_land_once_each_with_the_tags_last(tmp_path, monkeypatch):
+    """2,500 metrics go in three batches of at most 1,000 (MLflow's limit), the tags with the last one."""
+    import mlflow
+
+    from harness import tracking
+    from harness.run import Run
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    run = Run(tmp_path, "many-metrics", experiment="batch-check")
+    with run.active({}):
+        pass
+    batches = []
+    client = tracking.client(tmp_path)
+    original = type(client).log_batch
+    monkeypatch.setattr(
+        type(client),
+        "log_batch",
+        lambda self, run_id, metrics=(), tags=(), **kw: (
+            batches.append((len(metrics), len(tags))) or original(self, run_id, metrics=metrics, tags=tags, **kw)
+        ),
+    )
+    run.log_into_finished({f"m{i}": float(i) for i in range(2500)}, "x/", [], tags={"t": "done"})
+    assert batches == [(1000, 0), (1000, 0), (500, 1)]
+    logged = tracking.client(tmp_path).get_run(run.run_id).data
+    assert len([k for k in logged.metrics if k.startswith("x/")]) == 2500 and logged.tags["t"] == "done"
+    assert len(tracking.client(tmp_path).get_metric_history(run.run_id, "x/m7")) == 1
+    mlflow.set_tracking_uri("")
