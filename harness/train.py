@@ -146,6 +146,7 @@ def restore_draft(state: dict, target: Target, device: str = "cpu") -> DFlashDra
     return draft
 
 
+@torch.no_grad()
 def draft_step_ms(draft: DFlashDraft, rows: list[PackedRow], device: str, repeats: int = 8) -> float:
     """Median wall time of one inference draft step (one block over real validation context)."""
     draft.eval()
