@@ -17,8 +17,7 @@ from algorithms.blocks import PackedRow
 from harness.data import Document, pack_documents, pack_row, stable_hash
 from harness.devices import autocast, dtype_name, ids_on, is_accelerator, model_device
 from harness.distributed import SINGLE, Ranks
-from harness.files import atomic_write
-from harness.targets import file_sha256
+from harness.files import atomic_write, file_sha256
 
 log = logging.getLogger(__name__)
 DOCS_PER_SHARD = 64

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import logging
 import os
 import re
@@ -41,6 +42,14 @@ def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
     finally:
         remove(tmp)
         remove(aside)
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def release_frames(error: BaseException) -> None:

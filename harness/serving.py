@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import functools
-import hashlib
 import http.client
 import json
 import logging
@@ -28,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.files import atomic_write, process_alive, remove
+from harness.files import atomic_write, file_sha256, process_alive, remove
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +105,7 @@ STAMP_SUFFIX = ".sha256"  # beside each converted GGUF: its size and SHA-256 whe
 
 
 def gguf_stamp(path: Path) -> dict:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(1 << 24):
-            digest.update(chunk)
-    return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
+    return {"size": path.stat().st_size, "sha256": file_sha256(path)}
 
 
 def gguf_problem(path: Path) -> str | None:

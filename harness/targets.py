@@ -15,7 +15,7 @@ import torch
 
 from algorithms import TargetSpec
 from harness.devices import dtype_name
-from harness.files import atomic_write
+from harness.files import atomic_write, file_sha256
 
 log = logging.getLogger(__name__)
 # Beside a converted target: the GGUF it came from and that file's checksum (its weights hash).
@@ -54,14 +54,6 @@ class Target:
         inside = source.is_absolute() and source.is_relative_to(workdir.resolve())
         recorded = str(source.relative_to(workdir.resolve())) if inside else self.source
         return {"target": self.name, "target_hash": self.weights_hash, "target_source": recorded}
-
-
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def embedded_gguf_path(name: str) -> Path:
