@@ -24,6 +24,7 @@ from harness.evaluate import mtbench_questions, prompt_ids
 from harness.export import export_checkpoint
 from harness.presets import preset_run
 from harness.run import SERVED_DIR, server_records
+from harness.served import served_shape
 from harness.serving import find_engine, target_gguf, to_gguf
 from harness.targets import embedded_gguf_path, load_target
 from harness.train import build_for_target, with_target_defaults
@@ -52,7 +53,7 @@ def draft_gguf(engine, target, workdir: Path, block: int, layers: int, outtype: 
         Path(target.source),
         outtype,
     )
-    return gguf, draft.block_size - draft.shared.first_draft_slot, config.algorithm.entry.export_format.serve_as
+    return gguf, *served_shape(draft)
 
 
 def measure_all(args: argparse.Namespace) -> list[dict]:

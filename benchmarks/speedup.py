@@ -23,7 +23,7 @@ from harness import break_even
 from harness.data import prepare_documents
 from harness.evaluate import chat_prompt_ids, mtbench_records, prompt_ids
 from harness.run import SERVED_DIR, Run, server_records
-from harness.served import accepted_length, gguf_files
+from harness.served import accepted_length, gguf_files, served_shape
 from harness.serving import Completion, LlamaServer, find_engine
 from harness.targets import embedded_gguf_path, load_target
 from harness.train import checkpoint_config, restore_draft
@@ -78,8 +78,7 @@ def measure(args: argparse.Namespace) -> str:
     target = load_target(config.target, run.workdir, config.algorithm.shared.mask_token_id)
     draft = restore_draft(state, target)
     f32_target, draft_gguf = gguf_files(engine, run, draft, target)
-    block = draft.block_size - draft.shared.first_draft_slot
-    spec_type = draft.algorithm.entry.export_format.serve_as
+    block, spec_type = served_shape(draft)
     prompts = prompts_by_category(target.tokenizer, args.per_category)
     if args.chat:  # the run's own held-out conversations, up to their first assistant token
         prompts[CHAT] = chat_prompt_ids(prepare_documents(target, config.data, run.workdir).validation, args.chat)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -49,10 +49,6 @@ class BreakEven:
         """The cycle cost when nothing is accepted (the shortest measured length)."""
         return self.points[0].cycle_cost
 
-    def shortfall(self, accepted_length: float) -> float:
-        """Accepted tokens per cycle still missing before a drafter at `accepted_length` pays for itself."""
-        return self.length - accepted_length
-
     def metrics(self) -> dict[str, float]:
         values = {
             "break_even_accepted_length": self.length,
@@ -67,15 +63,16 @@ class BreakEven:
             values[f"synthetic_{tag}_speedup"] = point.speedup.value
         return values
 
-    def as_dict(self) -> dict:
-        return {**asdict(self), "cycle_cost": self.cycle_cost}
-
     def text(self) -> str:
         """`3.62 [3.41, 3.85]`, `above 8 (never within the block)` or `1 (pays at any length)`."""
         if math.isinf(self.length):
             return f"above {self.points[-1].accepted_length:.2f} (not reached within the block)"
-        high = "not reached" if math.isinf(self.high) else f"{self.high:.2f}"
-        return f"{self.length:.2f} [{self.low:.2f}, {high}]"
+        return interval_text(self.length, self.low, self.high)
+
+
+def interval_text(length: float, low: float, high: float) -> str:
+    """`3.62 [3.41, 3.85]`; an upper bound whose speed-up never reaches 1 within the block reads `not reached`."""
+    return f"{length:.2f} [{low:.2f}, {'not reached' if math.isinf(high) else f'{high:.2f}'}]"
 
 
 def crossing(lengths: Sequence[float], speedups: Sequence[float]) -> float:
@@ -106,7 +103,6 @@ def measure(
     logs: Path,
     records: Path,
     lengths: Sequence[float] | None = None,
-    threads: int | None = None,
 ) -> BreakEven:
     """Tokens/s of the target alone and with the draft at each synthetic accepted length, on the same prompts."""
     lengths = lengths or synthetic_lengths(block)
@@ -116,7 +112,7 @@ def measure(
         cycles = sum(len(c.accepted) for c in done)
         return [c.tokens_per_s for c in done], cycles, sum(sum(c.accepted) for c in done)
 
-    with LlamaServer(engine, target_gguf, logs / "break-even-alone.log", records, threads=threads) as server:
+    with LlamaServer(engine, target_gguf, logs / "break-even-alone.log", records) as server:
         alone, _, _ = speeds(server, "break-even: target alone")
     points = []
     for length in lengths:
@@ -128,7 +124,6 @@ def measure(
             draft_gguf,
             block,
             spec_type,
-            threads=threads,
             synthetic_length=length,
         )
         with server:

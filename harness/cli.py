@@ -438,7 +438,7 @@ def served_verdict(metrics: dict[str, float]) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a run's draft with its target in llama.cpp for a person to try, until Ctrl-C."""
     from harness.run import SERVED_DIR, SERVING_LOCK_FILE, server_records
-    from harness.served import check_servable, check_served_format, gguf_files
+    from harness.served import check_servable, check_served_format, gguf_files, served_shape
     from harness.serving import ENGINE, EngineError, LlamaServer, file_lock
     from harness.targets import load_target
     from harness.train import checkpoint_config, restore_draft
@@ -452,8 +452,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     target = load_target(config.target, run.workdir, config.algorithm.shared.mask_token_id)
     draft = restore_draft(state, target)
     check_servable(draft)
-    block = draft.block_size - draft.shared.first_draft_slot
-    spec_type = draft.algorithm.entry.export_format.serve_as
+    block, spec_type = served_shape(draft)
     log = run.path(SERVED_DIR) / "server.log"
     with file_lock(run.path(SERVED_DIR) / SERVING_LOCK_FILE, f"serving run {run.name}"):
         target_gguf, draft_gguf = gguf_files(engine, run, draft, target)

@@ -60,6 +60,11 @@ def check_servable(draft: DFlashDraft) -> None:
         )
 
 
+def served_shape(draft: DFlashDraft) -> tuple[int, str]:
+    """What llama.cpp serves the draft as: tokens drafted per cycle, and its speculative type."""
+    return draft.block_size - draft.shared.first_draft_slot, draft.algorithm.entry.export_format.serve_as
+
+
 def gguf_files(engine: Engine, run: Run, draft: DFlashDraft, target: Target) -> tuple[Path, Path]:
     """The target once per work directory (keyed by its weights), the draft once per run checkpoint."""
     target_file = target_gguf(engine, run.workdir / SERVED_DIR, target.source, target.weights_hash)
@@ -147,21 +152,23 @@ def serving(run: Run) -> Iterator[None]:
     (log_served), `interrupted` or `failed` with the reason when it stops early. Only a SIGKILL leaves `running`
     behind, and the next serving of the run replaces it."""
     with file_lock(run.path(SERVED_DIR) / SERVING_LOCK_FILE, f"serving run {run.name}"):
-        run.log_into_finished({}, "", [], tags={TAG_SERVED_STATUS: RunStatus.RUNNING.value, TAG_SERVED_REASON: ""})
+        run.log_into_finished({}, "", [], tags=serving_tags(RunStatus.RUNNING))
         try:
             yield
         except KeyboardInterrupt as stop:
-            reason = str(stop) or "interrupted (Ctrl-C)"
             run.log_into_finished(
-                {}, "", [], tags={TAG_SERVED_STATUS: RunStatus.INTERRUPTED.value, TAG_SERVED_REASON: reason}
+                {}, "", [], tags=serving_tags(RunStatus.INTERRUPTED, str(stop) or "interrupted (Ctrl-C)")
             )
             raise
         except Exception as error:
             reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            run.log_into_finished(
-                {}, "", [], tags={TAG_SERVED_STATUS: RunStatus.FAILED.value, TAG_SERVED_REASON: reason}
-            )
+            run.log_into_finished({}, "", [], tags=serving_tags(RunStatus.FAILED, reason))
             raise
+
+
+def serving_tags(status: RunStatus, reason: str = "") -> dict[str, str]:
+    """How a run's latest serving went, as its tags."""
+    return {TAG_SERVED_STATUS: status.value, TAG_SERVED_REASON: reason}
 
 
 def served_status(run: Run) -> RunStatus | None:
@@ -190,7 +197,8 @@ def serve_and_compare(
         "chat": chat_prompt_ids(chat_documents, config.num_prompts),
     }
     temperatures = sorted({0.0, *config.temperatures})  # T = 0 always: the cycle-by-cycle check needs it
-    served, alone = serve_prompts(engine, run, target, draft, prompt_sets, temperatures, config)
+    ggufs = gguf_files(engine, run, draft, target)  # checked once: each check reads the whole target GGUF
+    served, alone = serve_prompts(engine, run, ggufs, draft, prompt_sets, temperatures, config)
     records = [
         record
         for name, prompts in prompt_sets.items()
@@ -199,23 +207,18 @@ def serve_and_compare(
     metrics = served_metrics(served, alone, records)
     for temperature in temperatures[1:]:
         metrics.update(harness_sampled(target, draft, prompt_sets, temperature, config))
-    metrics.update(break_even_metrics(engine, run, target, draft, prompt_sets["mtbench"], config))
+    metrics.update(break_even_metrics(engine, run, ggufs, draft, prompt_sets["mtbench"], config))
     metrics["break_even_shortfall"] = metrics["break_even_accepted_length"] - metrics["accepted_length_greedy"]
     return metrics, records
 
 
 def break_even_metrics(
-    engine: Engine, run: Run, target: Target, draft: DFlashDraft, prompts: list, config: EvalConfig
+    engine: Engine, run: Run, ggufs: tuple[Path, Path], draft: DFlashDraft, prompts: list, config: EvalConfig
 ) -> dict[str, float]:
     """The draft's shape at synthetic accepted lengths on this machine (harness/break_even.py): where it would
     start to pay for itself."""
-    target_gguf, draft_gguf = gguf_files(engine, run, draft, target)
-    block = draft.block_size - draft.shared.first_draft_slot
-    spec_type = draft.algorithm.entry.export_format.serve_as
     logs, records = run.path(SERVED_DIR), server_records(run.workdir)
-    found = break_even.measure(
-        engine, target_gguf, draft_gguf, block, spec_type, prompts, config.max_new_tokens, logs, records
-    )
+    found = break_even.measure(engine, *ggufs, *served_shape(draft), prompts, config.max_new_tokens, logs, records)
     return found.metrics()
 
 
@@ -237,12 +240,17 @@ def harness_sampled(target: Target, draft: DFlashDraft, prompt_sets: dict, tempe
 
 
 def serve_prompts(
-    engine: Engine, run: Run, target: Target, draft: DFlashDraft, prompt_sets: dict, temperatures: list, config
+    engine: Engine,
+    run: Run,
+    ggufs: tuple[Path, Path],
+    draft: DFlashDraft,
+    prompt_sets: dict,
+    temperatures: list,
+    config,
 ) -> tuple[Served, Served]:
     """Every prompt through the server with the draft at each temperature, then through the target alone."""
-    target_gguf, draft_gguf = gguf_files(engine, run, draft, target)
-    block, logs = draft.block_size - draft.shared.first_draft_slot, run.path(SERVED_DIR)
-    spec_type = draft.algorithm.entry.export_format.serve_as
+    (target_gguf, draft_gguf), (block, spec_type) = ggufs, served_shape(draft)
+    logs = run.path(SERVED_DIR)
     served: Served = {}
     alone: Served = {}
     tokens = config.max_new_tokens
@@ -266,7 +274,7 @@ def compare_requests(
     """Per request at T = 0: the harness's decoder against the served cycles, and the served tokens against the
     engine alone and the harness's greedy reference."""
     stop = {target.tokenizer.eos_token_id}
-    block = draft.block_size - draft.shared.first_draft_slot
+    block, _ = served_shape(draft)
     references = target_greedy(target.model, target.tokenizer, prompts, tokens, stop)
     records = []
     for index, prompt in enumerate(tqdm(prompts, desc=f"decode {name} in the harness", unit="request")):
@@ -336,7 +344,6 @@ def log_served(run: Run, engine: Engine, metrics: dict[str, float], records: lis
     tags = {
         tracking.TAG_ENGINE_COMMIT: engine.commit,
         tracking.TAG_GGUF_VERSION: engine.converter_version,
-        TAG_SERVED_STATUS: RunStatus.FINISHED.value,
-        TAG_SERVED_REASON: "",
+        **serving_tags(RunStatus.FINISHED),
     }
     run.log_into_finished(metrics, tracking.SERVED_PREFIX, [path], tags=tags)

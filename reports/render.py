@@ -28,6 +28,7 @@ from algorithms.metrics import (
 )
 from algorithms.registry import REFERENCE_ALGORITHM
 from harness import tracking
+from harness.break_even import interval_text
 from harness.tracking import RunStatus
 from harness.uncertainty import Estimate, mean_estimate, unpaired_difference
 from harness.validation import per_position_rows, pooled_counts
@@ -618,8 +619,7 @@ def break_even_text(run) -> str:
         return "not measured"
     if math.isinf(needed):
         return "not reached within the block"
-    high = "not reached" if math.isinf(run["served_break_even_high"]) else f"{run['served_break_even_high']:.2f}"
-    interval = f"{needed:.2f} [{run['served_break_even_low']:.2f}, {high}]"
+    interval = interval_text(needed, run["served_break_even_low"], run["served_break_even_high"])
     short = needed - run["served_greedy"]
     return f"{interval}, {short:.2f} short" if short > 0 else f"{interval}, paid for"
 
