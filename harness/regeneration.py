@@ -127,7 +127,7 @@ def engine_replies(target, config, workdir: Path) -> Iterator[Replies]:
     engine = find_engine()
     model = target_gguf(engine, workdir / SERVED_DIR, target.source, target.weights_hash)
     slots = config.generation_batch_size
-    # each slot holds its prompt and reply: a short chat turn plus max_new_tokens, in steps of 256
+    # each slot holds a prompt shorter than max_length (a longer one is never sent) and its reply, in steps of 256
     per_slot = 256 * math.ceil((config.max_length + config.max_new_tokens) / 256)
     log_path = workdir / SERVED_DIR / "regeneration.log"
     server = LlamaServer(engine, model, log_path, server_records(workdir), slots=slots, context=slots * per_slot)
@@ -135,6 +135,8 @@ def engine_replies(target, config, workdir: Path) -> Iterator[Replies]:
 
         def reply(dialogue: list[dict], seed: int) -> str:
             ids = template_ids(target.tokenizer, dialogue, add_generation_prompt=True)
+            if len(ids) >= config.max_length:  # its document is cut at max_length before the reply: not sent (the
+                return ""  # slot could not hold it), and the document is the one the HF reply would have made
             done = server.complete(ids, config.max_new_tokens, config.generation_temperature, seed)
             return target.tokenizer.decode(done.tokens, skip_special_tokens=True).strip()
 

@@ -56,6 +56,9 @@ TAG_EXPERIMENT_KIND, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_de
 
 # Roles (TAG_ROLE values).
 ROLE_RUN, ROLE_TRIAL, ROLE_BASELINE, ROLE_STUDY = "run", "trial", "baseline", "study"
+# A study's `budgets_by` (param study.budgets_by): every budget trains from step 0, or the shorter budgets' runs
+# are warmup-stable-decay branches of the longest budget's run of the same point and seed
+BUDGETS_FROM_SCRATCH, BUDGETS_AS_BRANCHES = "scratch", "branches"
 
 EXPERIMENT_PREFIX = "dflash-lab/"  # never collides with MLflow's own `Default`
 DEFAULT_EXPERIMENT = f"{EXPERIMENT_PREFIX}runs"  # single `train` runs

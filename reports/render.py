@@ -165,6 +165,9 @@ def header(record: StudyRecord, configs: list[Configuration]) -> str:
 def budget_text(record: StudyRecord) -> str:
     budgets = recorded_budgets(record)
     again = f", and the design again at {', '.join(map(str, budgets[1:]))} steps" if len(budgets) > 1 else ""
+    if len(budgets) > 1 and record.parent["params"].get("study.budgets_by") == tracking.BUDGETS_AS_BRANCHES:
+        shorter = ", ".join(map(str, budgets[:-1]))
+        again += f" (each {shorter}-step run a warmup-stable-decay branch of its point's {budgets[-1]}-step run)"
     return f"{budgets[0] if budgets else '–'} steps per run{again}"
 
 

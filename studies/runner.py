@@ -26,7 +26,7 @@ from algorithms import AlgorithmConfig
 from algorithms.metrics import ACCEPTED_LENGTHS
 from algorithms.registry import draft_config, with_design_point
 from harness import tracking
-from harness.config import RunConfig
+from harness.config import RunConfig, decay_steps
 from harness.evaluate import evaluate, log_evaluation
 from harness.run import Run
 from harness.tracking import RunStatus
@@ -56,6 +56,12 @@ from studies.storage import (
 from studies.torchrun_job import RunJob, TrialLink
 
 log = logging.getLogger(__name__)
+
+
+class TrunkPending(Exception):
+    """A branch trial met its trunk still queued: it went back into the queue behind it."""
+
+
 CLAIM_POLL_S = 2.0  # how often a launcher waiting on another's baseline or parent run looks again
 PARENT_CLAIM = "parent-run"
 DESIGN_CLAIM = "design-points"  # the one launcher that enqueues a design's points
@@ -138,14 +144,27 @@ def with_budget(
     definition: StudyDefinition, algorithm: AlgorithmConfig, seed: int | None = None, steps: int | None = None
 ) -> RunConfig:
     """A run of the study: its data, target and training knobs at `steps` (default: the study's first step
-    budget) and `seed`."""
+    budget) and `seed`. With budgets as branches, a run at the longest budget is a trunk that keeps a stable
+    checkpoint for each shorter one."""
     base = definition.base
+    steps = definition.steps_per_trial if steps is None else steps
+    trunk = definition.branches and steps == definition.budgets[-1]
     train_config = dataclasses.replace(
         base.train,
-        max_steps=definition.steps_per_trial if steps is None else steps,
+        max_steps=steps,
         seed=base.train.seed if seed is None else seed,
+        branches=definition.budgets[:-1] if trunk else [],
     )
     return RunConfig(algorithm, train_config, base.data, base.target)
+
+
+def as_branch_of(config: RunConfig, trunk_run: str) -> RunConfig:
+    """A shorter budget's run as a WSD branch of the trunk run of its point and seed."""
+    return dataclasses.replace(config, train=dataclasses.replace(config.train, branch_of=trunk_run))
+
+
+def is_branch(definition: StudyDefinition, steps: int) -> bool:
+    return definition.branches and steps != definition.budgets[-1]
 
 
 def design_point(params: dict) -> dict:
@@ -193,6 +212,8 @@ def enqueue_design(definition: StudyDefinition, study: optuna.Study, claims: Cla
         if definition.longer_budgets:  # every point names its budget; the longer ones run the longer design
             queued = [({BUDGET_PARAM: definition.budgets[0]}, definition.design.points)]
             queued += [({BUDGET_PARAM: steps}, definition.design.longer_points) for steps in definition.longer_budgets]
+            if definition.branches:  # the trunks first (the same points at every budget), then their branches
+                queued.reverse()
         points = [{**point, **budget} for budget, group in queued for point in group]
         for index, point in enumerate(points):
             study.enqueue_trial(point, user_attrs={ATTR_DESIGN_POINT: index}, skip_if_exists=True)
@@ -268,22 +289,32 @@ class StudyRunner:
             for steps in definition.baseline_budgets(baseline)
             for seed in definition.baseline_seeds(baseline)
         ]
-        pending = sorted(runs, key=lambda run: (run[2], run[1]))  # the first budget first, seed by seed
+        # The first budget first, seed by seed; with budgets as branches, each seed's trunk before its branches
+        order = -1 if definition.branches else 1
+        pending = sorted(runs, key=lambda run: (order * run[2], run[1]))
         while True:
             for baseline, seed, steps in list(pending):
-                longer = steps if steps != definition.steps_per_trial else None
-                name = baseline_run_name(definition.name, baseline, seed, longer)
+                name = self.baseline_run(baseline, seed, steps)
+                trunk = self.baseline_run(baseline, seed, definition.budgets[-1])
+                if is_branch(definition, steps) and self.claims.state(trunk) != ClaimState.DONE:
+                    continue  # its trunk is another launcher's, still training
                 with self.claims.hold(name) as mine:
                     if mine:
-                        self._run_baseline(baseline, seed, steps, name)
+                        self._run_baseline(baseline, seed, steps, name, trunk if is_branch(definition, steps) else None)
                 if self.claims.state(name) == ClaimState.DONE:
                     pending.remove((baseline, seed, steps))
             if not pending or not wait:
                 return
             time.sleep(CLAIM_POLL_S)
 
-    def _run_baseline(self, baseline: str, seed: int, steps: int, name: str) -> None:
+    def baseline_run(self, baseline: str, seed: int, steps: int) -> str:
+        longer = steps if steps != self.definition.steps_per_trial else None
+        return baseline_run_name(self.definition.name, baseline, seed, longer)
+
+    def _run_baseline(self, baseline: str, seed: int, steps: int, name: str, trunk: str | None) -> None:
         config = baseline_config(self.definition, baseline, seed, steps)
+        if trunk is not None:
+            config = as_branch_of(config, trunk)
         knobs = dataclasses.asdict(config.algorithm.knobs)
         print(f"[baseline] {baseline} seed {seed}, {steps} steps: {config.algorithm.algorithm} {knobs}", flush=True)
         tags = {tracking.TAG_BASELINE: baseline, tracking.TAG_ROLE: tracking.ROLE_BASELINE}
@@ -330,12 +361,15 @@ class StudyRunner:
             reason = f"duplicate configuration, evaluated by trial {duplicate}"
             trial.set_user_attr(ATTR_PRUNED, reason)
             raise optuna.TrialPruned(reason)
+        trunk = None
+        if is_branch(self.definition, params.get(BUDGET_PARAM, self.definition.steps_per_trial)):
+            trunk = self._await_trunk(trial, params)
         print(f"[trial {trial.number}] {params}{self._eta()}", flush=True)
         started = time.time()
         results = []
         try:
             for index, seed in enumerate(self.definition.seeds):
-                result = self._run_trial_seed(trial, config, tags, seed, first=index == 0)
+                result = self._run_trial_seed(trial, config, tags, seed, index == 0, trunk)
                 if result.stopped_reason:
                     trial.set_user_attr(ATTR_PRUNED, result.stopped_reason)
                     print(f"[trial {trial.number}] {result.stopped_reason}", flush=True)
@@ -370,10 +404,15 @@ class StudyRunner:
     def trial_run(self, number: int, seed: int) -> str:
         return trial_run_name(self.definition.name, number, seed if len(self.definition.seeds) > 1 else None)
 
-    def _run_trial_seed(self, trial: optuna.Trial, config: RunConfig, tags: dict, seed: int, first: bool):
-        """One seed of a trial. Only the first seed reports to the pruner: Optuna keeps one value per step."""
+    def _run_trial_seed(
+        self, trial: optuna.Trial, config: RunConfig, tags: dict, seed: int, first: bool, trunk: int | None
+    ):
+        """One seed of a trial, a branch of trial `trunk`'s run of that seed if given. Only the first seed reports
+        to the pruner: Optuna keeps one value per step."""
         run_name = self.trial_run(trial.user_attrs.get(ATTR_ORIGIN, trial.number), seed)
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, seed=seed))
+        if trunk is not None:
+            config = as_branch_of(config, self.trial_run(trunk, seed))
         try:
             result = self._run(config, run_name, tags, trial if first else None)
         except Exception as error:
@@ -383,6 +422,38 @@ class StudyRunner:
         if first:
             trial.set_user_attr(ATTR_RUN_ID, result.run_id)
         return result
+
+    def _await_trunk(self, trial: optuna.Trial, params: dict) -> int:
+        """The trial whose runs a branch trial anneals (its point at the longest budget; a retry's runs carry the
+        first trial's name), once every seed's stable checkpoint for this budget exists. A trunk another worker
+        trains is waited for; one still queued defers this trial behind it; one that ended without the
+        checkpoint fails this trial with the trunk's reason."""
+        steps = params[BUDGET_PARAM]
+        stable = steps - decay_steps(steps, self.definition.base.train.decay_ratio)
+        point = self.definition.design.points.index(design_point(params))  # the trunks are queued first, in order
+        while True:
+            trunks = [t for t in self.study.get_trials(deepcopy=False) if t.user_attrs.get(ATTR_DESIGN_POINT) == point]
+            origin = min(t.number for t in trunks)
+            runs = [Run(self.workdir, self.trial_run(origin, seed)) for seed in self.definition.seeds]
+            if all(run.stable_checkpoint_path(stable).is_file() for run in runs):
+                return origin
+            states = {t.state for t in trunks}
+            if optuna.trial.TrialState.RUNNING in states:
+                time.sleep(CLAIM_POLL_S)
+                optuna.storages.fail_stale_trials(self.study)  # a dead worker's trunk goes back into the queue
+                continue
+            if optuna.trial.TrialState.WAITING in states:
+                reason = f"deferred: its trunk, trial {origin}, has not trained to step {stable} yet"
+                print(f"[trial {trial.number}] {reason}", flush=True)
+                trial.set_user_attr(ATTR_FAIL_REASON, reason)
+                requeue_interrupted(self.study, self.study._storage.get_trial(trial._trial_id))
+                raise TrunkPending(reason)
+            ended = max(trunks, key=lambda t: t.number)
+            why = ended.user_attrs.get(ATTR_FAIL_REASON) or ended.user_attrs.get(ATTR_PRUNED) or ended.state.name
+            reason = f"its trunk, trial {origin}, ended without a stable checkpoint at step {stable}: {why}"
+            trial.set_user_attr(ATTR_FAIL_REASON, reason)
+            print(f"[trial {trial.number}] failed: {reason}", flush=True)
+            raise RuntimeError(reason)
 
     def _duplicate_of(self, trial: optuna.Trial, params: dict) -> int | None:
         busy = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.RUNNING)
@@ -637,6 +708,7 @@ def _create_parent_run(definition: StudyDefinition, workdir: Path, experiment_id
                         "design_reference": definition.design.reference or "",
                         "reference_seeds": ",".join(map(str, definition.design.reference_seeds)),
                         "budgets": ",".join(map(str, definition.budgets)),
+                        "budgets_by": definition.budgets_by,
                         "longer_design": json.dumps(definition.design.longer_spec, default=str),
                     }
                     if definition.design is not None

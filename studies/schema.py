@@ -13,7 +13,7 @@ from algorithms import ALGORITHMS, SharedKnobs, algorithm_entry
 from algorithms.knobs import knob_names
 from algorithms.metrics import DRAFT_STEP_MS, REALIZED_ACCEPTED_LENGTH
 from algorithms.registry import COMPONENT_FACTORS, MEMBER_FACTOR, with_design_point
-from harness.config import EvalConfig, RunConfig, parse_yaml
+from harness.config import EvalConfig, RunConfig, TrainConfig, parse_yaml
 from harness.design import (
     FACTORIAL,
     ONE_AT_A_TIME,
@@ -23,6 +23,7 @@ from harness.design import (
     design_from_spec,
     longer_budget_spec,
 )
+from harness.tracking import BUDGETS_AS_BRANCHES, BUDGETS_FROM_SCRATCH
 
 OBJECTIVES = {REALIZED_ACCEPTED_LENGTH: "maximize", DRAFT_STEP_MS: "minimize"}
 DESIGN_SAMPLER = "design"  # a designed study's trials are its enqueued points, never sampled
@@ -92,6 +93,12 @@ class StudyDefinition:
     design: StudyDesign | None = None  # a designed study: its points are the trials, in a fixed order
     # Step budgets, shortest first: the first is `steps_per_trial`; a design runs again at each longer one.
     budgets: list[int] = field(default_factory=list)
+    budgets_by: str = BUDGETS_FROM_SCRATCH  # or BUDGETS_AS_BRANCHES: the shorter ones anneal the longest's run
+
+    @property
+    def branches(self) -> bool:
+        """Each shorter budget's run is a WSD branch of the longest budget's run of the same point and seed."""
+        return self.budgets_by == BUDGETS_AS_BRANCHES
 
     @property
     def directions(self) -> list[str]:
@@ -240,6 +247,11 @@ class StudyFile(Section):
         description="step budgets, shortest first: the first is every run's; a design and its reference arm run "
         "again at each longer one, and the report labels how each verdict carried",
     )
+    budgets_by: Literal["scratch", "branches"] = Field(
+        BUDGETS_FROM_SCRATCH,
+        description="scratch: each budget trains from step 0; branches: the longest budget's run is a "
+        "warmup-stable-decay trunk and each shorter budget anneals its stable checkpoint (base.train.schedule wsd)",
+    )
     baselines: list[str] = Field(default_factory=lambda: list(DEFAULT_BASELINES))
     seeds: list[Annotated[int, Field(ge=0, lt=2**32)]] | None = Field(None, min_length=1)
     evaluate: EvaluateSection = Field(default_factory=EvaluateSection)
@@ -365,7 +377,7 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
         raise _fail(path, "objective", file.objective, f"one or a list of distinct {sorted(OBJECTIVES)}")
     budget = file.budget
     steps = budget.steps_per_trial if budget.steps_per_trial is not None else run.train.max_steps
-    budgets = _budgets(path, file, steps, design)
+    budgets = _budgets(path, file, steps, design, run.train)
     if any(b not in BASELINES for b in file.baselines):
         raise _fail(path, "baselines", file.baselines, f"a list from {list(BASELINES)}")
     if design is not None and design.reference is not None and design.reference not in file.baselines:
@@ -407,10 +419,11 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
         nproc_per_node=nproc_per_node,
         design=design,
         budgets=budgets,
+        budgets_by=file.budgets_by,
     )
 
 
-def _budgets(path: str, file: StudyFile, steps: int, design: StudyDesign | None) -> list[int]:
+def _budgets(path: str, file: StudyFile, steps: int, design: StudyDesign | None, train: TrainConfig) -> list[int]:
     """`budgets:`, shortest first; its first is every run's budget, so `budget.steps_per_trial` may only agree."""
     if file.budgets is None:
         return [steps]
@@ -423,7 +436,31 @@ def _budgets(path: str, file: StudyFile, steps: int, design: StudyDesign | None)
         )
     if len(budgets) > 1 and design is None:
         raise _fail(path, "budgets", budgets, "one budget without a design (a longer budget re-runs a design)")
+    if file.budgets_by == BUDGETS_AS_BRANCHES:
+        _check_branches(path, file, list(budgets), train)
     return list(budgets)
+
+
+def _check_branches(path: str, file: StudyFile, budgets: list[int], train: TrainConfig) -> None:
+    """Budgets as WSD branches: a trunk per point at the longest budget, so every budget runs the same points, and
+    each shorter budget's decay must start inside the trunk's stable stretch."""
+    if len(budgets) < 2:
+        raise _fail(path, "budgets_by", BUDGETS_AS_BRANCHES, "with two or more budgets (the longest is the trunk)")
+    if train.schedule != "wsd":
+        raise _fail(path, "base.train.schedule", train.schedule, "wsd with budgets_by: branches")
+    if train.branches:
+        raise _fail(path, "base.train.branches", train.branches, "[] with budgets_by: branches (set from budgets)")
+    if file.design is not None and file.design.longer_fraction is not None:
+        raise _fail(
+            path,
+            "design.longer_fraction",
+            file.design.longer_fraction,
+            "absent with budgets_by: branches (a branch needs its point's trunk at the longest budget)",
+        )
+    try:
+        dataclasses.replace(train, max_steps=budgets[-1], branches=budgets[:-1]).validate_wsd()
+    except ValueError as error:
+        raise StudyDefinitionError(f"{path}: budgets {budgets} as branches: {error}") from None
 
 
 def _reference_seeds(path: str, seeds: list[int]) -> list[int]:

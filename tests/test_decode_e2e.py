@@ -326,8 +326,9 @@ def test_regeneration_through_llama_server_matches_hf_greedy_except_at_near_ties
 ):
     """`regenerate_with: llama.cpp`: three slots decode at once; at T = 0 every reply is the target's greedy one
     (transformers, unpadded) unless a counted near-tie of the target flipped a token; a turn the journal already
-    holds (a regeneration killed after it) is not requested again."""
-    from harness.data import DataConfig, load_conversations
+    holds (a regeneration killed after it) is not requested again; a prompt too long for its document to hold a
+    reply (and for a slot to hold it) is not sent, and its document is the one any reply would have made."""
+    from harness.data import DataConfig, load_conversations, tokenize_conversation
     from harness.regeneration import Journal, regenerate, template_ids
     from harness.served import cause_of
 
@@ -335,17 +336,21 @@ def test_regeneration_through_llama_server_matches_hf_greedy_except_at_near_ties
     config = DataConfig(
         num_conversations=7, num_validation=1, max_new_tokens=24, regenerate_with="llama.cpp", generation_batch_size=3
     )
-    conversations = load_conversations(config, e2e_workdir)
+    long = [{"role": "user", "content": "Tell me about the sea. " * 120}]  # about 720 tokens: over max_length 256
+    conversations = [*load_conversations(config, e2e_workdir), long]
     journal = Journal(tmp_path / "journal.jsonl")
     journal.add(0, 0, "a reply from before the kill")
     dialogues = regenerate(target, conversations, config, Journal(journal.path), e2e_workdir)
     assert dialogues[0][1]["content"] == "a reply from before the kill"
     log = (e2e_workdir / "served" / "regeneration.log").read_text()
     assert log.count("launch_slot_") == 6 and "n_slots = 3" in log, "six requests, on three slots"
-    prompts = [template_ids(tokenizer, d[:1], add_generation_prompt=True) for d in dialogues[1:]]
+    assert dialogues[-1][1]["content"] == "" and "exceeds the available context" not in log
+    answered = [*long, {"role": "assistant", "content": "Any reply at all."}]
+    assert tokenize_conversation(tokenizer, dialogues[-1], 256) == tokenize_conversation(tokenizer, answered, 256)
+    prompts = [template_ids(tokenizer, d[:1], add_generation_prompt=True) for d in dialogues[1:-1]]
     references = target_greedy(target.model, tokenizer, prompts, 24, {tokenizer.eos_token_id})
     flips = []
-    for prompt, reference, dialogue in zip(prompts, references, dialogues[1:], strict=True):
+    for prompt, reference, dialogue in zip(prompts, references, dialogues[1:-1], strict=True):
         if dialogue[1]["content"] != tokenizer.decode(reference, skip_special_tokens=True).strip():
             served = tokenizer(dialogue[1]["content"], add_special_tokens=False)["input_ids"]
             flips.append(cause_of(target, prompt, reference, served))

@@ -821,3 +821,39 @@ def test_a_design_at_two_budgets_labels_how_each_verdict_carried(e2e_workspace, 
 
     again = _launch(BUDGETS, e2e_workdir, cwd=tmp_path)
     assert again.returncode == 0 and "[trial" not in again.stdout and "[baseline" not in again.stdout
+
+
+BRANCHES = Path(__file__).parent / "data" / "tiny_branches.yaml"
+
+
+def test_budgets_as_branches_anneal_each_points_trunk(e2e_workspace, e2e_workdir, tmp_path):
+    """`budgets_by: branches`: per point and seed the 8-step run trains first as a WSD trunk keeping its stable
+    checkpoint at step 3, and the 4-step run is a branch of it (its curve starts at step 3); the reference arm
+    likewise per seed; the report compares the budgets as before, and a relaunch trains nothing."""
+    done = _launch(BRANCHES, e2e_workdir, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
+    experiment = client.get_experiment_by_name("dflash-lab/tiny-branches").experiment_id
+    runs = {r.info.run_name: r for r in client.search_runs([experiment])}
+    trunks_of = {
+        "tiny-branches-trial-2": "tiny-branches-trial-0",
+        "tiny-branches-trial-3": "tiny-branches-trial-1",
+        **{f"tiny-branches-baseline-dflash-seed{s}": f"tiny-branches-baseline-dflash-seed{s}-steps8" for s in (0, 1)},
+    }
+    for branch, trunk in trunks_of.items():
+        assert runs[trunk].data.params["train.max_steps"] == "8" and runs[trunk].data.params["train.branches"] == "[4]"
+        assert (e2e_workdir / "runs" / trunk / "stable-step3.pt").exists()
+        params = runs[branch].data.params
+        assert (
+            params["train.max_steps"] == "4" and params["train.branch_of"] == trunk and params["train.branches"] == "[]"
+        )
+        history = client.get_metric_history(runs[branch].info.run_id, "accept/realized")
+        assert [m.step for m in history] == [3, 4], branch
+    assert runs["tiny-branches-trial-0"].data.params["algo.conv_kernel_size"] == "1"
+    assert runs["tiny-branches-trial-2"].data.params["algo.conv_kernel_size"] == "1"
+    assert "deferred" not in done.stdout, "one launcher trains each trunk before its branches"
+    report = (e2e_workdir / "reports" / "tiny-branches" / "README.md").read_text()
+    assert "4 steps per run, and the design again at 8 steps" in report and "## Budget transfer" in report
+
+    again = _launch(BRANCHES, e2e_workdir, cwd=tmp_path)
+    assert again.returncode == 0 and "[trial" not in again.stdout and "[baseline" not in again.stdout

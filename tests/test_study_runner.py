@@ -259,3 +259,112 @@ def test_a_longer_budget_needs_a_design():
     data["budgets"] = [20, 80]
     with pytest.raises(StudyDefinitionError, match=r"invalid field budgets=\[20, 80\]: allowed one budget without"):
         parse_study(data, "search.yaml")
+
+
+# ---- budgets as warmup-stable-decay branches -------------------------------------------------------------------
+
+BRANCHES = Path(__file__).parent / "data" / "tiny_branches.yaml"
+
+
+def _branches_data(**changes):
+    import yaml
+
+    data = yaml.safe_load(BRANCHES.read_text())
+    data.update(changes)
+    return data
+
+
+def test_budgets_as_branches_make_the_longest_run_a_trunk_and_queue_it_first(tmp_path):
+    from studies.claims import Claims
+    from studies.runner import as_branch_of, enqueue_design, is_branch, with_budget
+    from studies.storage import ATTR_DESIGN_POINT
+
+    definition = parse_study(_branches_data())
+    assert definition.branches and definition.budgets == [4, 8]
+    trunk, branch = (
+        with_budget(definition, definition.base.algorithm, 0, 8),
+        with_budget(definition, definition.base.algorithm, 0, 4),
+    )
+    assert trunk.train.branches == [4] and branch.train.branches == [] and branch.train.branch_of is None
+    assert is_branch(definition, 4) and not is_branch(definition, 8)
+    assert as_branch_of(branch, "trunk-run").train.branch_of == "trunk-run"
+    as_branch_of(branch, "trunk-run").validate()
+    assert baseline_config(definition, "dflash", 1, 8).train.branches == [4]
+
+    study = open_study(definition, f"sqlite:///{tmp_path / 'optuna.db'}")
+    enqueue_design(definition, study, Claims(study._storage, definition.name, grace_s=60))
+    queued = [(t.user_attrs[ATTR_DESIGN_POINT], t.system_attrs["fixed_params"]) for t in study.get_trials()]
+    points = definition.design.points
+    assert queued == [
+        (i, {**p, BUDGET_PARAM: s}) for i, (s, p) in enumerate([(8, p) for p in points] + [(4, p) for p in points])
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"budgets": [8]}, "invalid field budgets_by='branches': allowed with two or more budgets"),
+        ({"base": "linear"}, "invalid field base.train.schedule='linear': allowed wsd with budgets_by: branches"),
+        ({"base": "branches"}, "invalid field base.train.branches=[100]: allowed [] with budgets_by: branches"),
+        ({"budgets": [1, 8]}, "budgets [1, 8] as branches: invalid knob branches=[1]"),
+        ({"budgets_by": "trunk"}, "invalid field budgets_by='trunk'"),
+    ],
+)
+def test_bad_budgets_as_branches_get_one_line(change, message):
+    data = _branches_data()
+    if change.get("base") == "linear":
+        data["base"]["train"]["schedule"] = "linear"
+    elif change.get("base") == "branches":
+        data["base"]["train"]["branches"] = [100]
+    else:
+        data.update(change)
+    with pytest.raises(StudyDefinitionError) as error:
+        parse_study(data, "tiny_branches.yaml")
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_branch_trial_defers_behind_a_queued_trunk_waits_for_none_and_fails_with_a_failed_one(tmp_path):
+    """A branch trial whose trunk went back into the queue (a retry, queued behind it) is requeued behind the
+    trunk, counted interrupted, not failed; once the trunk's stable checkpoint exists it branches from the trunk's
+    first trial's runs; a trunk that failed fails it with the trunk's reason."""
+    from types import SimpleNamespace
+
+    import optuna
+
+    from harness.run import Run
+    from studies.runner import StudyRunner, TrunkPending, failed_trials, trial_run_name
+    from studies.storage import ATTR_DESIGN_POINT, ATTR_FAIL_REASON, ATTR_ORIGIN, requeue_interrupted
+
+    definition = parse_study(_branches_data())
+    study = open_study(definition, f"sqlite:///{tmp_path / 'optuna.db'}")
+    point = definition.design.points[0]
+    runner = StudyRunner(definition, SimpleNamespace(workdir=tmp_path), study, "parent", claims=None)
+    study.enqueue_trial({**point, BUDGET_PARAM: 8}, user_attrs={ATTR_DESIGN_POINT: 0})
+    study.enqueue_trial({**point, BUDGET_PARAM: 4}, user_attrs={ATTR_DESIGN_POINT: 2})
+    trunk = study.ask()
+    trunk.suggest_categorical(BUDGET_PARAM, [4, 8])
+    requeue_interrupted(study, study._storage.get_trial(trunk._trial_id))  # its worker was killed
+    study.tell(trunk, state=optuna.trial.TrialState.FAIL)
+
+    branch = study.ask()
+    assert branch.number == 1
+    with pytest.raises(TrunkPending, match="deferred: its trunk, trial 0, has not trained to step 3 yet"):
+        runner._await_trunk(branch, {**point, BUDGET_PARAM: 4})
+    study.tell(branch, state=optuna.trial.TrialState.FAIL)
+    waiting = study.get_trials(states=(optuna.trial.TrialState.WAITING,))
+    assert [(t.number, t.user_attrs.get(ATTR_ORIGIN)) for t in waiting] == [(2, 0), (3, 1)]
+    assert failed_trials(study) == {}, "a deferral is not a failure"
+
+    retry = study.ask()  # the trunk's retry comes first and trains under the first trial's run name
+    assert retry.number == 2
+    stable = Run(tmp_path, trial_run_name(definition.name, 0)).stable_checkpoint_path(3)
+    stable.parent.mkdir(parents=True)
+    stable.write_bytes(b"checkpoint")
+    study.tell(retry, 2.0)
+    again = study.ask()
+    assert again.number == 3 and runner._await_trunk(again, {**point, BUDGET_PARAM: 4}) == 0
+
+    stable.unlink()  # now as if the trunk had ended without it
+    with pytest.raises(RuntimeError, match="its trunk, trial 0, ended without a stable checkpoint at step 3"):
+        runner._await_trunk(again, {**point, BUDGET_PARAM: 4})
+    assert "ended without a stable checkpoint" in study._storage.get_trial(again._trial_id).user_attrs[ATTR_FAIL_REASON]
