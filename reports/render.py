@@ -199,6 +199,31 @@ def regime(configs: list[Configuration], block_size: str) -> str | None:
     )
 
 
+def served_regime(record: StudyRecord) -> str:
+    """Where the served drafters stand against the accepted length at which a draft of their shape pays for itself
+    on the serving machine, so that no verdict is read as one about drafters that speed decoding up."""
+    runs = record.runs
+    served = runs[runs["served_break_even"].notna()] if "served_break_even" in runs else runs.iloc[0:0]
+    if served.empty:
+        return (
+            "**Against the break-even.** No run of this study was served with its break-even measured, so whether "
+            "these drafters would speed decoding up was not measured here (`evaluate: {serve: llama.cpp}`; "
+            "docs/scale.md)."
+        )
+    best = served.loc[served["served_greedy"].idxmax()]
+    paying = int((served["served_greedy"] >= served["served_break_even"]).sum())
+    verdict = (
+        "none of the served runs pays for itself, so the verdicts below compare drafters that slow decoding down"
+        if paying == 0
+        else f"{paying} of {len(served)} served runs pay for themselves"
+    )
+    return (
+        f"**Against the break-even.** Served by llama.cpp, the best run (`{best['run_name']}`) accepted "
+        f"{best['served_greedy']:.2f} tokens per cycle (speed-up {fmt(best['served_speedup'], 2)}) against a "
+        f"break-even of {break_even_text(best)}; {verdict}."
+    )
+
+
 def leaderboard(configs: list[Configuration]) -> str:
     if not configs:
         return "## Leaderboard\n\nNo trial or baseline completed, so there is nothing to rank yet."
@@ -828,6 +853,7 @@ def render_with_summary(
     sections = [
         header(whole, configs),
         *filter(None, [regime(configs, record.parent["params"].get("pinned.shared.block_size", "the block size"))]),
+        served_regime(record),
         leaderboard(configs),
         *(
             ["![unary, realized and oracle accepted length per run](accepted_lengths.png)"]

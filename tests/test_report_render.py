@@ -283,3 +283,29 @@ def test_a_reference_arm_keeps_its_seed_spread_and_a_cited_transfer_reaches_the_
     assert high - low > 2 * 4.30 * 0.06 / math.sqrt(3) * 0.95
     assert "at 240 steps held (measured separately" in _verdict_line(markdown, "- `conv`:")
     assert "at 240 steps" not in _verdict_line(markdown, "- `selector`:")
+
+
+def test_the_report_states_where_served_runs_stand_against_their_break_even():
+    """The best served run's accepted length beside its break-even, and whether any served run pays for itself;
+    a study that served nothing says that this was not measured."""
+    from types import SimpleNamespace
+
+    from reports.render import served_regime
+
+    runs = pd.DataFrame(
+        {
+            "run_name": ["best", "reference", "unserved"],
+            "served_greedy": [1.24, 1.02, float("nan")],
+            "served_speedup": [0.51, 0.44, float("nan")],
+            "served_break_even": [3.61, 3.58, float("nan")],
+            "served_break_even_low": [3.40, 3.30, float("nan")],
+            "served_break_even_high": [3.85, 3.80, float("nan")],
+        }
+    )
+    text = served_regime(SimpleNamespace(runs=runs))
+    assert "the best run (`best`) accepted 1.24 tokens per cycle (speed-up 0.51)" in text
+    assert "break-even of 3.61 [3.40, 3.85], 2.37 short" in text and "none of the served runs pays for itself" in text
+    runs.loc[1, ["served_greedy", "served_break_even"]] = [2.10, 1.95]
+    text = served_regime(SimpleNamespace(runs=runs))
+    assert "the best run (`reference`) accepted 2.10" in text and "1 of 2 served runs pay for themselves" in text
+    assert "was not measured here" in served_regime(SimpleNamespace(runs=runs.drop(columns=["served_break_even"])))
