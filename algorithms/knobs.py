@@ -115,6 +115,23 @@ def parse_loss_spec(loss: str | dict[str, float]) -> dict[str, float]:
 class SharedKnobs:
     """Knobs that affect every algorithm alike; pin them identically when comparing."""
 
+    # What a study may sweep beside an algorithm's own knobs (every run of a trial pins them alike); the draft's
+    # shape (block size, depth) among them. Not the target's layer ids, mask token or vocabulary: those are lists or
+    # follow the target.
+    SWEEPABLE: ClassVar[tuple[str, ...]] = (
+        "block_size",
+        "num_draft_layers",
+        "sample_from_anchor",
+        "block_attention",
+        "loss",
+        "position_weighting",
+        "decay_gamma",
+        "dpace_alpha",
+        "max_anchors",
+        "sliding_window",
+        "candidate_top_k",
+    )
+
     block_size: int = knob(8, "tokens per draft block, the anchor included")
     num_draft_layers: int = knob(5, "draft decoder layers", flag="--num-layers")
     target_layer_ids: list[int] | None = knob(

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -25,6 +25,16 @@ FEATURE_MODES = (CACHE_FEATURES, ONLINE_FEATURES)
 @dataclass
 class TrainConfig:
     """Optimisation knobs, recorded with every run like the algorithm knobs."""
+
+    # What a study may sweep (the budget and seed are the study's own; the rest say how a run is logged)
+    SWEEPABLE: ClassVar[tuple[str, ...]] = (
+        "learning_rate",
+        "weight_decay",
+        "warmup_ratio",
+        "schedule",
+        "decay_ratio",
+        "grad_clip",
+    )
 
     optimizer: str = knob("adamw", "optimizer", choices=OPTIMIZERS)
     learning_rate: float = knob(1e-3, "peak learning rate", flag="--lr")
@@ -174,6 +184,14 @@ class RunConfig:
 
     def flat_params(self) -> dict[str, Any]:
         return {**self.algorithm.flat_params(), **flat_section("train", self.train), **flat_section("data", self.data)}
+
+    def with_knobs(self, values: dict[str, Any]) -> RunConfig:
+        """A copy with flat knob values, each routed to its section: training knobs by name, the rest to the
+        algorithm (whose shared or own knob it must be)."""
+        train_names = {f.name for f in dataclasses.fields(TrainConfig)}
+        train = {k: v for k, v in values.items() if k in train_names}
+        algorithm = self.algorithm.replace(**{k: v for k, v in values.items() if k not in train_names})
+        return dataclasses.replace(self, algorithm=algorithm, train=dataclasses.replace(self.train, **train))
 
     def fingerprint(self) -> str:
         from harness.data import stable_hash

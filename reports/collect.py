@@ -12,9 +12,10 @@ import pandas as pd
 from mlflow.entities import ViewType
 from mlflow.exceptions import MlflowException
 
-from algorithms import ALGORITHMS
+from algorithms import ALGORITHMS, SharedKnobs
 from algorithms.metrics import ACCEPTED_LENGTHS, DRAFT_STEP_MS, HEADLINE_METRICS, REALIZED_ACCEPTED_LENGTH, se_name
 from harness import tracking
+from harness.config import TrainConfig
 from harness.run import VALIDATION_DOCUMENTS_FILE
 from harness.tracking import RunStatus
 from harness.validation import SUBSET_ROWS
@@ -22,6 +23,8 @@ from harness.validation import SUBSET_ROWS
 VAL, EVAL = tracking.VAL_PREFIX, tracking.EVAL_PREFIX
 # Every knob any registered algorithm tunes, in registry order: the knob columns of a report.
 TUNED_KNOBS = tuple(dict.fromkeys(knob for entry in ALGORITHMS.values() for knob in entry.tuned_knobs))
+# The shared and training knobs a study may also sweep: a report shows those that differ between its runs.
+OTHER_KNOBS = tuple(k for k in (*SharedKnobs.SWEEPABLE, *TrainConfig.SWEEPABLE) if k not in TUNED_KNOBS)
 MEASURED = {
     "measured_greedy": "measured_accepted_length_greedy",
     "measured_t1": "measured_accepted_length_t1",
@@ -105,8 +108,8 @@ def collect(study: str, workdir: Path) -> StudyRecord:
             "max_steps": int(params.get("train.max_steps") or 0),
             "wall_s": (run.info.end_time - run.info.start_time) / 1000 if run.info.end_time else float("nan"),
         }
-        for knob in TUNED_KNOBS:
-            row[knob] = params.get(f"algo.{knob}", params.get(f"shared.{knob}", ""))
+        for knob in (*TUNED_KNOBS, *OTHER_KNOBS):
+            row[knob] = params.get(f"algo.{knob}", params.get(f"shared.{knob}", params.get(f"train.{knob}", "")))
         for name in (*HEADLINE_METRICS, DRAFT_STEP_MS):
             row[name] = metrics.get(tracking.metric_key(name, VAL), float("nan"))
         for prefix, columns in ((EVAL, MEASURED), (tracking.SERVED_PREFIX, SERVED)):

@@ -32,7 +32,7 @@ from harness.break_even import interval_text
 from harness.tracking import RunStatus
 from harness.uncertainty import Estimate, mean_estimate, unpaired_difference
 from harness.validation import per_position_rows, pooled_counts
-from reports.collect import TUNED_KNOBS, StudyRecord
+from reports.collect import OTHER_KNOBS, TUNED_KNOBS, StudyRecord
 from reports.designed import (
     curve_figure,
     curves_section,
@@ -116,13 +116,28 @@ def computed_in(runs: pd.DataFrame) -> str:
     )
 
 
+def differing_knobs(configs: list[Configuration]) -> list[str]:
+    """The shared and training knobs that differ between the study's configurations (a sweep over block size,
+    depth or learning rate): each gets a column, and the comparison is like for like in every other knob."""
+    return [k for k in OTHER_KNOBS if len({str(c.first[k]) for c in configs}) > 1]
+
+
+def knob_columns(configs: list[Configuration]) -> list[str]:
+    return [*TUNED_KNOBS, *differing_knobs(configs)]
+
+
 def header(record: StudyRecord, configs: list[Configuration]) -> str:
     params, runs = record.parent["params"], record.runs
     counts = runs.groupby("status").size().to_dict() if not runs.empty else {}
     trials = runs[runs["role"] == tracking.ROLE_TRIAL] if not runs.empty else runs
     trial_counts = trials.groupby("status").size().to_dict() if not trials.empty else {}
     first = runs.iloc[0] if not runs.empty else None
-    pinned = sorted((k.removeprefix("pinned.shared."), v) for k, v in params.items() if k.startswith("pinned.shared."))
+    differing = differing_knobs(configs)
+    pinned = sorted(
+        (k.removeprefix("pinned.shared."), v)
+        for k, v in params.items()
+        if k.startswith("pinned.shared.") and k.removeprefix("pinned.shared.") not in differing
+    )
     target = f"{first['target']} (weights `{first['target_hash']}`)" if first is not None else "–"
     data = f"{first['dataset']} (hash `{first['dataset_hash']}`)" if first is not None else "–"
     if configs:
@@ -155,6 +170,15 @@ def header(record: StudyRecord, configs: list[Configuration]) -> str:
         "seeds, the spread between seeds is added. Differences are paired by document (and by seed where both "
         f"sides ran the same seeds). A difference whose interval contains 0 is marked *{NOISE}*.",
         "",
+        *(
+            [
+                f"Knobs that differ between runs (each a column below): {', '.join(f'`{k}`' for k in differing)}; "
+                "every other knob is the same for every trial and baseline.",
+                "",
+            ]
+            if differing
+            else []
+        ),
         "Shared knobs pinned for every trial and baseline:",
         "",
         table(["knob", "value"], [[k, v] for k, v in pinned]),
@@ -231,10 +255,11 @@ def leaderboard(configs: list[Configuration]) -> str:
     measured = any(c.runs[["measured_greedy", "measured_t1"]].notna().any().any() for c in configs)
     served = any(c.runs["served_greedy"].notna().any() for c in configs if "served_greedy" in c.runs)
     members = len({c.first["algorithm"] for c in configs}) > 1  # a family comparison names each row's member
+    knobs = knob_columns(configs)
     headers = [
         "run",
         *(["algorithm"] if members else []),
-        *TUNED_KNOBS,
+        *knobs,
         "seeds",
         "unary",
         "realized",
@@ -258,7 +283,7 @@ def leaderboard(configs: list[Configuration]) -> str:
             [
                 config.label,
                 *([first["algorithm"]] if members else []),
-                *[fmt_value(first[k]) if first[k] != "" else "" for k in TUNED_KNOBS],
+                *[fmt_value(first[k]) if first[k] != "" else "" for k in knobs],
                 len(config.seeds),
                 *[estimate(config, m).text() for m in ACCEPTED_LENGTHS],
                 versus_best,
@@ -434,7 +459,7 @@ def knob_effects(configs: list[Configuration], kinds: dict[str, dict], figure: s
         f"levels hold at least {MIN_TRIALS_PER_LEVEL} trials and its interval excludes 0."
     )
     resolved = []
-    for knob in TUNED_KNOBS:
+    for knob in knob_columns(configs):
         levels = knob_levels(trials, knob, kinds.get(knob, {}).get("kind") == "categorical")
         if not levels:
             continue
@@ -717,7 +742,7 @@ def knob_figure(record: StudyRecord, configs: list[Configuration]):
     plt = _pyplot()
     trials = [c for c in configs if c.first["role"] == tracking.ROLE_TRIAL]
     kinds = search_kinds(record)
-    knobs = [k for k in TUNED_KNOBS if knob_levels(trials, k, True)]
+    knobs = [k for k in knob_columns(configs) if knob_levels(trials, k, True)]
     if len(trials) < 2 or not knobs:
         return None
     fig, axes = plt.subplots(1, len(knobs), figsize=(3.4 * len(knobs), 3.2), squeeze=False)

@@ -26,7 +26,7 @@ from algorithms import AlgorithmConfig
 from algorithms.metrics import ACCEPTED_LENGTHS
 from algorithms.registry import draft_config, with_design_point
 from harness import tracking
-from harness.config import RunConfig, decay_steps
+from harness.config import RunConfig, TrainConfig, decay_steps
 from harness.evaluate import evaluate, log_evaluation
 from harness.run import Run
 from harness.tracking import RunStatus
@@ -141,16 +141,20 @@ def failed_trials(study: optuna.Study) -> dict[int, str]:
 
 
 def with_budget(
-    definition: StudyDefinition, algorithm: AlgorithmConfig, seed: int | None = None, steps: int | None = None
+    definition: StudyDefinition,
+    algorithm: AlgorithmConfig,
+    seed: int | None = None,
+    steps: int | None = None,
+    train: TrainConfig | None = None,
 ) -> RunConfig:
-    """A run of the study: its data, target and training knobs at `steps` (default: the study's first step
-    budget) and `seed`. With budgets as branches, a run at the longest budget is a trunk that keeps a stable
-    checkpoint for each shorter one."""
+    """A run of the study: its data, target and training knobs (default: the base's) at `steps` (default: the
+    study's first step budget) and `seed`. With budgets as branches, a run at the longest budget is a trunk that
+    keeps a stable checkpoint for each shorter one."""
     base = definition.base
     steps = definition.steps_per_trial if steps is None else steps
     trunk = definition.branches and steps == definition.budgets[-1]
     train_config = dataclasses.replace(
-        base.train,
+        train or base.train,
         max_steps=steps,
         seed=base.train.seed if seed is None else seed,
         branches=definition.budgets[:-1] if trunk else [],
@@ -177,7 +181,8 @@ def trial_config(definition: StudyDefinition, params: dict) -> RunConfig:
     if definition.design is not None:
         algorithm = with_design_point(definition.base.algorithm, design_point(params), definition.design.member_knobs)
         return with_budget(definition, algorithm, steps=params.get(BUDGET_PARAM))
-    return with_budget(definition, definition.base.algorithm.replace(**params))
+    run = definition.base.with_knobs(params)
+    return with_budget(definition, run.algorithm, train=run.train)
 
 
 def check_against_target(definition: StudyDefinition, workdir: Path) -> None:

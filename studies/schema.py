@@ -290,6 +290,16 @@ def _one_line(path: str, error: ValidationError) -> StudyDefinitionError:
     return _fail(path, where, value, message[0].lower() + message[1:] if message else first["type"])
 
 
+def _check_values(path: str, dimension: Dimension, run: RunConfig) -> None:
+    """Each choice (or both ends of a range) must make a valid run: a bad value fails at launch, not as a trial."""
+    values = dimension.choices if dimension.kind == "categorical" else [dimension.low, dimension.high]
+    for value in values:
+        try:
+            run.with_knobs({dimension.knob: value}).validate()
+        except (TypeError, ValueError) as error:
+            raise StudyDefinitionError(f"{path}: search_space.{dimension.knob}: {error}") from None
+
+
 def _require_mapping(path: str, name: str, value: Any) -> dict:
     if not isinstance(value, dict):
         raise _fail(path, name, value, "a mapping")
@@ -354,7 +364,10 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
         raise StudyDefinitionError(f"{path}: base: {error}") from None
 
     tuned = algorithm_entry(base.algorithm).tuned_knobs
-    dimensions = [_dimension(path, knob, spec, tuned) for knob, spec in file.search_space.items()]
+    sweepable = tuple(dict.fromkeys((*tuned, *SharedKnobs.SWEEPABLE, *TrainConfig.SWEEPABLE)))
+    dimensions = [_dimension(path, knob, spec, sweepable) for knob, spec in file.search_space.items()]
+    for dimension in dimensions:
+        _check_values(path, dimension, run)
     design = None
     if file.design is not None:
         for key in ("sampler", "pruner"):

@@ -857,3 +857,35 @@ def test_budgets_as_branches_anneal_each_points_trunk(e2e_workspace, e2e_workdir
 
     again = _launch(BRANCHES, e2e_workdir, cwd=tmp_path)
     assert again.returncode == 0 and "[trial" not in again.stdout and "[baseline" not in again.stdout
+
+
+KNOBS = Path(__file__).parent / "data" / "tiny_knobs.yaml"
+
+
+def test_a_study_sweeps_block_size_depth_and_learning_rate(e2e_workspace, e2e_workdir, tmp_path):
+    """Shared and training knobs in a search space: each trial's runs train with the sampled block size, draft
+    layers and learning rate (MLflow params), and the report names the knobs that differ, shows each as a
+    leaderboard column and a knob effect, and no longer lists them as pinned."""
+    done = _launch(KNOBS, e2e_workdir, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
+    experiment = client.get_experiment_by_name("dflash-lab/tiny-knobs").experiment_id
+    trials = [r for r in client.search_runs([experiment]) if r.data.tags[tracking.TAG_ROLE] == tracking.ROLE_TRIAL]
+    assert len(trials) == 3 and all(r.info.status == "FINISHED" for r in trials)
+    for run in trials:
+        params = run.data.params
+        assert params["shared.block_size"] in {"4", "6"} and params["shared.num_draft_layers"] in {"1", "3"}
+        assert params["train.learning_rate"] in {"0.001", "0.01"}
+    sizes = {r.data.params["shared.num_draft_layers"]: int(r.data.params["draft_parameters"]) for r in trials}
+    assert len(sizes) < 2 or sizes["3"] > sizes["1"], "the sampled depth is the trained draft's"
+    report = (e2e_workdir / "reports" / "tiny-knobs" / "README.md").read_text()
+    assert (
+        "Knobs that differ between runs (each a column below): `block_size`, `num_draft_layers`, `learning_rate`"
+        in (report)
+    )
+    pinned = report.split("Shared knobs pinned for every trial and baseline:")[1].split("\n\n")[1]
+    assert "| block_size |" not in pinned and "| num_draft_layers |" not in pinned and "| max_anchors | 8 |" in pinned
+    columns = next(line for line in report.split("## Leaderboard")[1].splitlines() if line.startswith("| run |"))
+    assert "| block_size | num_draft_layers | learning_rate |" in columns
+    for knob in ("block_size", "num_draft_layers", "learning_rate"):
+        assert f"**{knob}**: effect" in report

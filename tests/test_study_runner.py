@@ -368,3 +368,34 @@ def test_a_branch_trial_defers_behind_a_queued_trunk_waits_for_none_and_fails_wi
     with pytest.raises(RuntimeError, match="its trunk, trial 0, ended without a stable checkpoint at step 3"):
         runner._await_trunk(again, {**point, BUDGET_PARAM: 4})
     assert "ended without a stable checkpoint" in study._storage.get_trial(again._trial_id).user_attrs[ATTR_FAIL_REASON]
+
+
+@pytest.mark.parametrize(
+    ("space", "message"),
+    [
+        ({"seed": [0, 1]}, "invalid field search_space='seed': allowed knobs from"),
+        ({"block_size": [4, 0]}, "search_space.block_size: invalid knob block_size=0"),
+        ({"learning_rate": {"type": "float", "low": -1.0, "high": 0.01}}, "search_space.learning_rate: invalid knob"),
+        ({"schedule": ["wsd", "step"]}, "search_space.schedule: invalid knob schedule='step'"),
+    ],
+)
+def test_a_bad_shared_or_training_dimension_is_refused_at_launch(space, message):
+    import yaml
+
+    data = yaml.safe_load((ROOT / "studies" / "search.yaml").read_text())
+    data["search_space"] = space
+    with pytest.raises(StudyDefinitionError) as error:
+        parse_study(data, "search.yaml")
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_trial_takes_shared_and_training_knobs_from_its_params():
+    import yaml
+
+    data = yaml.safe_load((ROOT / "studies" / "search.yaml").read_text())
+    data["search_space"] = {"block_size": [4, 8], "learning_rate": [0.001, 0.01], "selector_rank": [8, 16]}
+    definition = parse_study(data, "search.yaml")
+    config = trial_config(definition, {"block_size": 4, "learning_rate": 0.01, "selector_rank": 8})
+    assert config.algorithm.shared.block_size == 4 and config.algorithm.knobs.selector_rank == 8
+    assert config.train.learning_rate == 0.01 and config.train.max_steps == definition.steps_per_trial
+    assert config.train.warmup_ratio == definition.base.train.warmup_ratio, "the other training knobs are the base's"
