@@ -42,9 +42,13 @@ def prompts_by_category(tokenizer, per_category: int) -> dict[str, list[list[int
     return dict(found)
 
 
-def serve_all(server: LlamaServer, prompts: dict[str, list[list[int]]], tokens: int) -> dict[str, list[Completion]]:
+def serve_all(
+    server: LlamaServer, prompts: dict[str, list[list[int]]], tokens: int, ignore_eos: bool = True
+) -> dict[str, list[Completion]]:
+    """Each prompt's completion of `tokens` new tokens (`ignore_eos`), or up to the end-of-sequence token."""
     return {
-        category: [server.complete(p, tokens, ignore_eos=True) for p in group] for category, group in prompts.items()
+        category: [server.complete(p, tokens, ignore_eos=ignore_eos) for p in group]
+        for category, group in prompts.items()
     }
 
 
