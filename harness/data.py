@@ -21,6 +21,7 @@ from harness.regeneration import REGENERATORS, Journal, regenerate, template_ids
 log = logging.getLogger(__name__)
 
 EMBEDDED_DATASETS = {"chitchat": ("chitchat-dataset", "dataset.json")}
+PROMPT_COLUMN = "prompt"  # a prompts-only file: one user turn per row, answered by the target
 
 
 @dataclass
@@ -28,7 +29,9 @@ class DataConfig:
     """Which conversations, how they are regenerated, and how they are cut and packed."""
 
     dataset: str = knob(
-        "chitchat", "'chitchat' (embedded), a JSONL file of {\"messages\": [...]}, or an HF dataset id", flag="--data"
+        "chitchat",
+        '\'chitchat\' (embedded), a JSONL file of {"messages": [...]} or {"prompt": ...}, or an HF dataset id',
+        flag="--data",
     )
     split: str = knob("train", "dataset split", flag="--data-split")
     num_conversations: int = knob(240, "conversations used, validation included")
@@ -122,14 +125,10 @@ def load_conversations(config: DataConfig, cache_dir: Path) -> list[list[dict]]:
         cause = error.__cause__ or error  # the builder wraps the reader's own error
         problem = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
         raise ValueError(f"invalid --data={config.dataset!r}: {type(cause).__name__}: {problem}") from None
-    if "messages" not in table.column_names:
-        raise ValueError(
-            f"invalid --data={config.dataset!r}: no 'messages' column (columns: {table.column_names}); "
-            'allowed rows of {"messages": [{"role": ..., "content": ...}, ...]}'
-        )
+    conversations = conversations_of(table, config)
     usable, skipped = [], {}
-    for index in range(len(table)):
-        reason = conversation_problem(table[index]["messages"], config.regenerate)
+    for index, messages in enumerate(conversations):
+        reason = conversation_problem(messages, config.regenerate)
         if reason is None:
             usable.append(index)
         else:
@@ -148,7 +147,24 @@ def load_conversations(config: DataConfig, cache_dir: Path) -> list[list[dict]]:
             f"invalid knob num_conversations={config.num_conversations}: allowed at most the {len(usable)} "
             f"usable conversations of {config.dataset!r}"
         )
-    return [table[i]["messages"] for i in usable[: config.num_conversations]]
+    return [conversations[i] for i in usable[: config.num_conversations]]
+
+
+def conversations_of(table, config: DataConfig) -> list:
+    """Each row's messages: a `messages` column, or a `prompt` column of user turns for the target to answer."""
+    if "messages" in table.column_names:
+        return table["messages"]
+    if PROMPT_COLUMN in table.column_names:
+        if not config.regenerate:
+            raise ValueError(
+                f"invalid --data={config.dataset!r} with --no-regenerate: a file of prompts has no replies to train "
+                "on; allowed with regeneration (the target answers each prompt)"
+            )
+        return [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in table[PROMPT_COLUMN]]
+    raise ValueError(
+        f"invalid --data={config.dataset!r}: no 'messages' or 'prompt' column (columns: {table.column_names}); "
+        'allowed rows of {"messages": [{"role": ..., "content": ...}, ...]} or {"prompt": "..."}'
+    )
 
 
 def check_local_dataset(config: DataConfig) -> None:
@@ -157,7 +173,7 @@ def check_local_dataset(config: DataConfig) -> None:
     path, dataset = Path(config.dataset), config.dataset
     if config.dataset in EMBEDDED_DATASETS or not path.is_file():
         return
-    allowed = 'allowed a JSONL file of {"messages": [{"role": ..., "content": ...}, ...]} per line'
+    allowed = 'allowed a JSONL file of {"messages": [{"role": ..., "content": ...}, ...]} or {"prompt": "..."} per line'
     if path.stat().st_size == 0:
         raise ValueError(f"invalid --data={dataset!r}: the file is empty; {allowed}")
     with path.open("rb") as lines:

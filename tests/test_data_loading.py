@@ -59,5 +59,20 @@ def test_an_empty_file_and_a_file_without_messages_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"invalid --data=.*empty.jsonl': the file is empty"):
         load_conversations(DataConfig(dataset=str(empty), num_conversations=4, num_validation=1), tmp_path)
     other = _write(tmp_path / "other.jsonl", [{"text": "no messages here"}] * 3)
-    with pytest.raises(ValueError, match=r"invalid --data=.*other.jsonl': no 'messages' column"):
+    with pytest.raises(ValueError, match=r"invalid --data=.*other.jsonl': no 'messages' or 'prompt' column"):
         load_conversations(DataConfig(dataset=str(other), num_conversations=2, num_validation=1), tmp_path)
+
+
+def test_a_file_of_prompts_becomes_user_turns_for_the_target_to_answer(tmp_path, caplog):
+    """`{"prompt": ...}` rows: one user turn each (a blank one skipped and counted); without regeneration there is
+    nothing to train on, which is refused in one line."""
+    rows = [{"prompt": "Tell me a joke."}, {"prompt": "What is a cloud?"}, {"prompt": "   "}, {"prompt": "Hi!"}]
+    data = _write(tmp_path / "prompts.jsonl", rows)
+    with caplog.at_level(logging.WARNING):
+        loaded = load_conversations(DataConfig(dataset=str(data), num_conversations=3, num_validation=1), tmp_path)
+    assert sorted(c[0]["content"] for c in loaded) == ["Hi!", "Tell me a joke.", "What is a cloud?"]
+    assert all(len(c) == 1 and c[0]["role"] == "user" for c in loaded)
+    assert "skipped 1 of 4 conversations" in caplog.text
+    config = DataConfig(dataset=str(data), num_conversations=2, num_validation=1, regenerate=False)
+    with pytest.raises(ValueError, match=r"prompts.jsonl' with --no-regenerate: a file of prompts has no replies"):
+        load_conversations(config, tmp_path)
