@@ -147,14 +147,19 @@ def measure(args: argparse.Namespace) -> str:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prompts and lengths a served benchmark decodes, shared by the speed-up and its curve."""
     parser.add_argument("--workdir", type=Path, default=Path("work"), help="work directory (default: ./work)")
-    parser.add_argument("--run", required=True, help="the trained run whose draft is served (name or directory)")
     parser.add_argument("--per-category", type=int, default=3, help="MT-bench prompts per category (default: 3)")
     parser.add_argument("--chat", type=int, default=8, help="held-out chat prompts of the run (default: 8)")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per request (default: 128)")
     parser.add_argument("--break-even-prompts", type=int, default=8, help="prompts of the break-even (default: 8)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serving_arguments(parser)
+    parser.add_argument("--run", required=True, help="the trained run whose draft is served (name or directory)")
     parser.add_argument("--out", type=Path, default=OUT, help=f"markdown file appended to (default: {OUT})")
     args = parser.parse_args()
     section = measure(args)

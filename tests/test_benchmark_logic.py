@@ -81,3 +81,30 @@ def test_a_speedup_row_pools_prompts_by_category_and_counts_what_the_drafts_gave
     name, speedup, length, from_drafts, categories = row("`d`", served, alone)
     assert speedup.startswith("0.75 [") and length == "1.75" and from_drafts == "7.5%"
     assert categories == "math 0.50 · coding 1.00"
+
+
+def test_the_speed_up_curve_tables_every_point_names_the_best_and_plots(tmp_path):
+    """The curve's table on hand-built points: lineage, data, steps, the interval and the break-even per row; the
+    best by speed-up named with its break-even; the plot written where asked."""
+    import argparse
+
+    from benchmarks.speedup_curve import Point, plot, render
+    from harness.break_even import BreakEven
+    from harness.uncertainty import Estimate
+
+    bar = BreakEven(60.0, (), 2.05, 1.95, 2.15)
+    points = [
+        Point("c1000-b4", "dflash2", 4, 2, 1000, 80_000, 1500, None, 2.05, 1.62, Estimate(0.81, 0.03, 0.75, 0.87, 32),
+              0.31, 5.2, bar),
+        Point("c1000-b4-decay500", "dflash2", 4, 2, 1000, 80_000, 500, "c1000-b4", 1.87, 1.41,
+              Estimate(0.70, 0.03, 0.64, 0.76, 32), 0.22, None, bar),
+    ]  # fmt: skip
+    args = argparse.Namespace(runs="c1000-*", workdir="work", per_category=3, chat=8, tokens=128, until_eos=True)
+    engine = argparse.Namespace(commit="0c1e57098abc")
+    text = render(args, engine, points, 60.0, 59.0, 12.0)
+    assert "| `c1000-b4-decay500` (branch of `c1000-b4`) | dflash2 | 4 | 1000 (80,000) | 500 | 1.870 | 1.41 |" in text
+    assert "0.810 [0.750, 0.870]" in text and "| 2.05 [1.95, 2.15] | 5.2 |" in text and "| – |" in text
+    assert "Best: `c1000-b4`, accepted length 1.62, speed-up 0.810 [0.750, 0.870], against a break-even of 2.05" in text
+    assert "up to 128 new tokens or the end of the reply" in text and "--until-eos" in text
+    plot(points, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 0
