@@ -216,7 +216,8 @@ class Run:
                 log_system_metrics=self.system_metrics,
             )
         self.run_id = active.info.run_id
-        mlflow.set_tag(tracking.TAG_STATUS, RunStatus.RUNNING.value)
+        # the libraries of this start (a run resumed after an upgrade says so)
+        mlflow.set_tags({tracking.TAG_STATUS: RunStatus.RUNNING.value, **tracking.library_versions()})
         self.directory.mkdir(parents=True, exist_ok=True)
         record = json.dumps({"run_id": self.run_id, "name": self.name, "experiment": self.experiment})
         atomic_write(self.path(RUN_FILE), lambda tmp: tmp.write_text(record))
@@ -346,6 +347,12 @@ class Run:
             dataset_source = resolve_dataset_source(str(source))
         for context in contexts:
             mlflow.log_input(MetaDataset(dataset_source, name=f"{name}/{context}", digest=digest), context=context)
+
+    @deferring_preemption
+    def log_export(self, export_dir: Path) -> None:
+        """The exported draft (Z Lab / speculators layout) as the run's `export/` artifacts, where the MLflow UI
+        and `mlflow artifacts download` find the trained drafter."""
+        mlflow.log_artifacts(str(export_dir), EXPORT_DIR)
 
     @deferring_preemption
     def log_checkpoint(self) -> None:

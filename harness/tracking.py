@@ -290,6 +290,24 @@ def prefixed(values: dict[str, float], prefix: str) -> dict[str, float]:
     return {metric_key(name, prefix): float(value) for name, value in values.items()}
 
 
+# The versions a run's numbers depend on, one tag per library: dflash_lab.version.<distribution>
+VERSION_TAG_PREFIX = "dflash_lab.version."
+VERSIONED = ("dflash-lab", "torch", "transformers", "mlflow", "optuna", "safetensors")
+
+
+def library_versions() -> dict[str, str]:
+    """`dflash_lab.version.<name>` tags for the installed distributions the harness runs on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    tags = {}
+    for name in VERSIONED:
+        try:
+            tags[f"{VERSION_TAG_PREFIX}{name}"] = version(name)
+        except PackageNotFoundError:
+            tags[f"{VERSION_TAG_PREFIX}{name}"] = "not installed"
+    return tags
+
+
 def who_and_where() -> dict[str, str]:
     """The Created-by and Source columns for runs created through the client (start_run fills them itself)."""
     # The UI shows a source's last path segment, so paths in the command line keep only their file name.

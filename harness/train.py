@@ -34,11 +34,19 @@ from harness.config import ONLINE_FEATURES, RunConfig, decay_steps, learning_rat
 from harness.data import PreparedData, prepare_documents
 from harness.devices import autocast, computes_in, generator, synchronize, to_device, uses_bf16
 from harness.distributed import SINGLE, Ranks, full_state, load_full_state, plain_number, shard, unsharded_copy
-from harness.export import warm_start
+from harness.export import NoPeerFormat, export_checkpoint, peer_format, warm_start
 from harness.features import FeatureSource, OnlineFeatures, document_rows, fill, load_or_build, packed_rows
 from harness.files import atomic_write, remove_stale_temporaries
 from harness.plots import per_position_figure
-from harness.run import CONFIG_FILE, PER_POSITION_FIGURE, PER_POSITION_FILE, VALIDATION_DOCUMENTS_FILE, Run, RunInUse
+from harness.run import (
+    CONFIG_FILE,
+    EXPORT_DIR,
+    PER_POSITION_FIGURE,
+    PER_POSITION_FILE,
+    VALIDATION_DOCUMENTS_FILE,
+    Run,
+    RunInUse,
+)
 from harness.targets import Target, load_target
 from harness.tracking import RunStatus
 from harness.validation import (
@@ -623,6 +631,19 @@ class TrainingRecipe:
         self.run.log_figure(per_position_figure(rows, self.run.name), PER_POSITION_FIGURE)
         self.run.describe(summary_line(result.validation))
         self.run.log_checkpoint()
+        self.log_export(result.draft)
+
+    def log_export(self, draft: DFlashDraft) -> None:
+        """The final draft exported in its peer layout and logged with the run; a member without one (no peer
+        serves it) keeps only its checkpoint."""
+        try:
+            peer_format(self.config.algorithm.entry)
+        except NoPeerFormat as why:
+            log.info("no export logged for %s: %s", self.run.name, why)
+            return
+        export_dir = self.run.path(EXPORT_DIR)
+        export_checkpoint(draft, export_dir, self.workspace.target.source)
+        self.run.log_export(export_dir)
 
 
 def train(

@@ -545,3 +545,9 @@ def test_a_wsd_run_and_its_branch_through_the_cli(e2e_workspace, e2e_workdir):
     assert run.data.params["train.branch_of"] == "wsd-trunk" and run.data.params["train.schedule"] == "wsd"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "accept/realized")] == [3, 4]
     assert [m.value for m in client.get_metric_history(run.info.run_id, "train/lr")] == [pytest.approx(0.0)]
+    # The trained drafter is in MLflow: its export (config and bf16 weights), and the libraries it ran on
+    artifacts = {a.path: a.file_size for a in client.list_artifacts(run.info.run_id, "export")}
+    exported = e2e_workdir / "runs" / "wsd-trunk-decay4" / "export"
+    assert artifacts == {f"export/{f.name}": f.stat().st_size for f in exported.iterdir()}
+    assert set(artifacts) == {"export/config.json", "export/model.safetensors"}
+    assert run.data.tags["dflash_lab.version.torch"] == torch.__version__
