@@ -311,6 +311,9 @@ class LlamaServer:
     def command(self) -> list[str]:
         command = [str(self.engine.server), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)]
         command += ["-np", str(self.slots), "-c", str(self.context), "-t", str(self.threads), "--no-webui"]
+        # No prompt cache in RAM (8 GiB by default): every request here is a new prompt, and a regeneration's
+        # thousands of them grew the server to 7.5 GiB on a 24 GiB machine
+        command += ["--cache-ram", "0"]
         if self.draft is not None:
             command += ["-md", str(self.draft)]
         if self.spec_type is not None:  # a draft model's type, or a training-free one (ngram-mod, ...) alone
