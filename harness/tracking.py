@@ -39,6 +39,7 @@ TAG_ALGORITHM, TAG_STUDY, TAG_TRIAL = "dflash_lab.algorithm", "dflash_lab.study"
 TAG_ROLE, TAG_RUN_DIR, TAG_CHECKPOINT = "dflash_lab.role", "dflash_lab.run_dir", "dflash_lab.checkpoint"
 TAG_STATUS, TAG_STATUS_REASON = "dflash_lab.state", "dflash_lab.failure_reason"
 TAG_BASELINE, TAG_BEST_TRIAL, TAG_OBJECTIVES = "dflash_lab.baseline", "dflash_lab.best_trial", "dflash_lab.objectives"
+TAG_PARETO_FRONT = "dflash_lab.pareto_front"  # a multi-objective study's non-dominated trials: "trial 0, trial 3"
 TAG_BEST_RUN_ID, TAG_TRIALS_USED = "dflash_lab.best_run_id", "dflash_lab.trials_used"
 TAG_DESIGN_POINT = "dflash_lab.design_point"  # a designed study's trial: its point as JSON
 TAG_WORLD_SIZE = "dflash_lab.world_size"  # data-parallel ranks of the latest (re)start

@@ -119,7 +119,7 @@ def computed_in(runs: pd.DataFrame) -> str:
 def differing_knobs(configs: list[Configuration]) -> list[str]:
     """The shared and training knobs that differ between the study's configurations (a sweep over block size,
     depth or learning rate): each gets a column, and the comparison is like for like in every other knob."""
-    return [k for k in OTHER_KNOBS if len({str(c.first[k]) for c in configs}) > 1]
+    return [k for k in OTHER_KNOBS if len({str(c.first.get(k, "")) for c in configs}) > 1]
 
 
 def knob_columns(configs: list[Configuration]) -> list[str]:
@@ -246,6 +246,32 @@ def served_regime(record: StudyRecord) -> str:
         f"{best['served_greedy']:.2f} tokens per cycle (speed-up {fmt(best['served_speedup'], 2)}) against a "
         f"break-even of {break_even_text(best)}; {verdict}."
     )
+
+
+def pareto_section(record: StudyRecord, configs: list[Configuration]) -> str | None:
+    """A two-objective study (accepted length against the draft's step time): the trials no other trial beats on
+    both, each with its values; None for a one-objective study."""
+    if record.parent["params"].get("study.objectives", "").split(",") != [REALIZED_ACCEPTED_LENGTH, DRAFT_STEP_MS]:
+        return None
+    trials = [
+        (c, float(c.runs[REALIZED_ACCEPTED_LENGTH].mean()), float(c.runs[DRAFT_STEP_MS].mean()))
+        for c in configs
+        if c.first["role"] == tracking.ROLE_TRIAL and c.runs[DRAFT_STEP_MS].notna().any()
+    ]
+    front = [
+        (c, realized, ms)
+        for c, realized, ms in trials
+        if not any(r >= realized and m <= ms and (r > realized or m < ms) for _, r, m in trials)
+    ]
+    front.sort(key=lambda item: item[2])
+    knobs = [k for k in knob_columns(configs) if len({str(c.first[k]) for c, _, _ in trials}) > 1]  # the swept ones
+    rows = [[c.label, *[fmt_value(c.first[k]) for k in knobs], f"{r:.3f}", f"{ms:.2f}"] for c, r, ms in front]
+    note = (
+        f"The trials no other trial beats on both objectives (a longer realized accepted length and a shorter draft "
+        f"step), fastest first: {len(front)} of {len(trials)} completed trials. Each value is the mean over the "
+        "trial's seeds; a point's own interval is in the leaderboard."
+    )
+    return "## Pareto front\n\n" + note + "\n\n" + table(["trial", *knobs, "realized", "draft step ms"], rows)
 
 
 def leaderboard(configs: list[Configuration]) -> str:
@@ -886,6 +912,7 @@ def render_with_summary(
             else []
         ),
         *filter(None, [component_ablation(configs), noise_sources(configs), served_section(record)]),
+        *filter(None, [pareto_section(record, configs)]),
         *searched,
         *filter(None, [transfer]),
         curves,

@@ -623,6 +623,8 @@ class StudyRunner:
                 summary["pareto_front"] = [
                     {"trial": t.number, "values": t.values, "params": t.params} for t in self.study.best_trials
                 ]
+                front = ", ".join(f"trial {t.number}" for t in sorted(self.study.best_trials, key=lambda t: t.number))
+                client.set_tag(self.parent_run_id, tracking.TAG_PARETO_FRONT, front)
             try:
                 if self.definition.design is not None:
                     raise ValueError("a designed study reports fitted effects instead (see its report)")

@@ -309,3 +309,36 @@ def test_the_report_states_where_served_runs_stand_against_their_break_even():
     text = served_regime(SimpleNamespace(runs=runs))
     assert "the best run (`reference`) accepted 2.10" in text and "1 of 2 served runs pay for themselves" in text
     assert "was not measured here" in served_regime(SimpleNamespace(runs=runs.drop(columns=["served_break_even"])))
+
+
+def test_a_two_objective_study_reports_the_trials_no_other_beats_on_both():
+    """(realized, draft ms): trial 2 is beaten by trial 0 on both, so the front is trials 0 and 1, fastest first,
+    with the swept knob beside their values; a one-objective study has no such section."""
+    from types import SimpleNamespace
+
+    from reports.collect import OTHER_KNOBS
+    from reports.estimates import Configuration
+    from reports.render import pareto_section
+
+    def trial(number, rank, realized, ms):
+        row = {k: "" for k in (*TUNED_KNOBS, *OTHER_KNOBS)}
+        row.update(
+            {
+                "seed": "0",
+                "role": "trial",
+                "selector_rank": rank,
+                REALIZED_ACCEPTED_LENGTH: realized,
+                "draft_step_ms": ms,
+            }
+        )
+        return Configuration(str(number), f"trial {number}", pd.DataFrame([row]), {"0": pd.DataFrame()})
+
+    configs = [trial(0, "64", 1.30, 2.0), trial(1, "16", 1.20, 1.5), trial(2, "128", 1.25, 2.5)]
+    record = SimpleNamespace(parent={"params": {"study.objectives": "realized_accepted_length,draft_step_ms"}})
+    section = pareto_section(record, configs)
+    assert "2 of 3 completed trials" in section
+    rows = [line for line in section.splitlines() if re.match(r"\| trial \d", line)]
+    assert rows == ["| trial 1 | 16 | 1.200 | 1.50 |", "| trial 0 | 64 | 1.300 | 2.00 |"]
+    assert "| trial | selector_rank | realized | draft step ms |" in section
+    record.parent["params"]["study.objectives"] = "realized_accepted_length"
+    assert pareto_section(record, configs) is None
