@@ -45,7 +45,7 @@ DELETE = object()
         ("base.train", {"nproc_per_node": 0}, "invalid field base.train.nproc_per_node=0: allowed an integer >= 1"),
         ("base.train", {"max_steps": "ten"}, "base: "),
         ("base", "dflash2", "invalid field base='dflash2': allowed a valid dictionary"),
-        ("search_space", {"block_size": [4, 8]}, "invalid field search_space='block_size': allowed knobs from"),
+        ("search_space", {"max_steps": [4, 8]}, "invalid field search_space='max_steps': allowed knobs from"),
         ("search_space", {"selector_rank": []}, "invalid field search_space.selector_rank.choices=[]: allowed a non"),
         ("search_space", {"selector_rank": {"type": "int", "low": 9, "high": 2}}, "low/high=(9, 2): allowed numbers"),
         ("search_space", {"selector_loss_alpha": {"type": "float", "low": 0, "high": 1, "log": True}}, "> 0 on a log"),
