@@ -21,15 +21,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+from algorithms.dflash import DFlashDraft
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
 from benchmarks.budget_transfer import cpu_model
 from benchmarks.speedup import CHAT, OUT, prompts_by_category, serve_all, serving_arguments
 from harness import break_even, tracking
-from harness.data import prepare_documents
+from harness.config import RunConfig
+from harness.data import PreparedData, prepare_documents
 from harness.evaluate import chat_prompt_ids
 from harness.run import SERVED_DIR, Run, runs_root, server_records
-from harness.served import accepted_length, gguf_files, served_shape
-from harness.serving import LlamaServer, find_engine
+from harness.served import accepted_length, draft_gguf, served_shape
+from harness.serving import LlamaServer, find_engine, target_gguf
 from harness.targets import load_target
 from harness.train import checkpoint_config, restore_draft
 from harness.uncertainty import Estimate, ratio_estimate
@@ -57,16 +59,40 @@ class Point:
     break_even: break_even.BreakEven | None = None
 
 
-def finished_runs(workdir: Path, pattern: str) -> list[Run]:
-    """Runs under `workdir` whose name matches `pattern` and whose checkpoint reached its budget."""
+@dataclass
+class Trained:
+    """A finished run of the curve, loaded once: its checkpoint, config, draft, the draft's GGUF and its data."""
+
+    run: Run
+    state: dict
+    config: RunConfig
+    draft: DFlashDraft
+    gguf: Path
+    data: PreparedData
+
+    @property
+    def data_key(self) -> tuple[int, int]:
+        """Runs with the same data share their held-out chat prompts."""
+        return self.config.data.num_conversations, self.config.data.seed
+
+
+def finished_runs(workdir: Path, pattern: str) -> list[tuple[Run, dict]]:
+    """Runs under `workdir` whose name matches `pattern` and whose checkpoint reached its budget, with it."""
     found = []
     for path in sorted(runs_root(workdir).iterdir()):
         run = Run(workdir, path.name)
         if fnmatch.fnmatch(path.name, pattern) and run.has_checkpoint():
             state = run.load_checkpoint()
             if state["step"] == checkpoint_config(state).train.max_steps:
-                found.append(run)
+                found.append((run, state))
     return found
+
+
+def loaded(engine, run: Run, state: dict, target) -> Trained:
+    config = checkpoint_config(state)
+    draft = restore_draft(state, target)
+    data = prepare_documents(target, config.data, run.workdir)
+    return Trained(run, state, config, draft, draft_gguf(engine, run, draft, target), data)
 
 
 def wall_minutes(run: Run) -> float | None:
@@ -75,16 +101,11 @@ def wall_minutes(run: Run) -> float | None:
     return (info.end_time - info.start_time) / 60_000 if info.end_time else None
 
 
-def serve_point(engine, run: Run, mtbench: dict, args: argparse.Namespace, alone: dict, target) -> Point:
-    state = run.load_checkpoint()
-    config = checkpoint_config(state)
-    draft = restore_draft(state, target)
-    f32_target, draft_gguf = gguf_files(engine, run, draft, target)
-    block, spec_type = served_shape(draft)
-    data = prepare_documents(target, config.data, run.workdir)
-    prompts = {**mtbench, CHAT: chat_prompt_ids(data.validation, args.chat)}
+def serve_point(engine, f32_target: Path, trained: Trained, prompts: dict, args: argparse.Namespace, alone: dict):
+    run, config = trained.run, trained.config
+    block, spec_type = served_shape(trained.draft)
     log = run.path(SERVED_DIR) / "speedup-curve.log"
-    with LlamaServer(engine, f32_target, log, server_records(run.workdir), draft_gguf, block, spec_type) as server:
+    with LlamaServer(engine, f32_target, log, server_records(run.workdir), trained.gguf, block, spec_type) as server:
         served = serve_all(server, prompts, args.tokens, not args.until_eos)
     completions = [c for group in served.values() for c in group]
     speed = [c.tokens_per_s for c in completions]
@@ -95,10 +116,10 @@ def serve_point(engine, run: Run, mtbench: dict, args: argparse.Namespace, alone
         block=block + 1,
         layers=config.algorithm.shared.num_draft_layers,
         conversations=config.data.num_conversations,
-        train_tokens=sum(sum(d.loss_mask) for d in data.train),
+        train_tokens=sum(sum(d.loss_mask) for d in trained.data.train),
         steps=config.train.max_steps,
         branch_of=config.train.branch_of,
-        realized=state["history"][-1][REALIZED_ACCEPTED_LENGTH],
+        realized=trained.state["history"][-1][REALIZED_ACCEPTED_LENGTH],
         accepted=accepted_length([a for c in completions for a in c.accepted]),
         speedup=ratio_estimate(speed, baseline),
         drafted_share=sum(c.draft_n_accepted for c in completions) / sum(len(c.tokens) for c in completions),
@@ -108,20 +129,17 @@ def serve_point(engine, run: Run, mtbench: dict, args: argparse.Namespace, alone
 
 def measure(args: argparse.Namespace) -> tuple[str, list[Point]]:
     engine = find_engine()
-    runs = finished_runs(args.workdir, args.runs)
-    if not runs:
+    found = finished_runs(args.workdir, args.runs)
+    if not found:
         raise SystemExit(f"error: invalid --runs={args.runs!r}: no finished run of that name in {args.workdir}")
-    first = checkpoint_config(runs[0].load_checkpoint())
+    first = checkpoint_config(found[0][1])
     target = load_target(first.target, args.workdir, first.algorithm.shared.mask_token_id)
+    f32_target = target_gguf(engine, args.workdir / SERVED_DIR, target.source, target.weights_hash)
+    runs = [loaded(engine, run, state, target) for run, state in found]
     mtbench = prompts_by_category(target.tokenizer, args.per_category)
-    f32_target, _ = gguf_files(engine, runs[0], restore_draft(runs[0].load_checkpoint(), target), target)
+    # each data set's held-out chat prompts, timed with the target alone too, so each point is paired by prompt
+    chat_prompts = {trained.data_key: chat_prompt_ids(trained.data.validation, args.chat) for trained in runs}
     records, logs = server_records(args.workdir), args.workdir / SERVED_DIR / "speedup-curve"
-    chat_prompts = {}  # the target alone on every run's chat prompts, so each point is paired by prompt
-    for run in runs:
-        config = checkpoint_config(run.load_checkpoint())
-        chat_prompts[config.data.num_conversations, config.data.seed] = chat_prompt_ids(
-            prepare_documents(target, config.data, args.workdir).validation, args.chat
-        )
     started = time.monotonic()
 
     def alone_pass(tag: str) -> dict:
@@ -133,20 +151,17 @@ def measure(args: argparse.Namespace) -> tuple[str, list[Point]]:
 
     before = alone_pass("before")
     points, shapes = [], {}
-    for run in runs:
-        config = checkpoint_config(run.load_checkpoint())
-        key = (config.data.num_conversations, config.data.seed)
-        alone = {**{c: before[c] for c in mtbench}, CHAT: before[key]}
-        point = serve_point(engine, run, mtbench, args, alone, target)
+    for trained in runs:
+        prompts = {**mtbench, CHAT: chat_prompts[trained.data_key]}
+        alone = {**{c: before[c] for c in mtbench}, CHAT: before[trained.data_key]}
+        point = serve_point(engine, f32_target, trained, prompts, args, alone)
         points.append(point)
         print(f"{point.run}: accepted {point.accepted:.2f}, speed-up {point.speedup.text()}", flush=True)
         if (point.block, point.layers) not in shapes:
-            draft = restore_draft(run.load_checkpoint(), target)
-            _, draft_gguf = gguf_files(engine, run, draft, target)
-            block, spec_type = served_shape(draft)
+            block, spec_type = served_shape(trained.draft)
             flat = [p for group in mtbench.values() for p in group][: args.break_even_prompts]
             shapes[point.block, point.layers] = break_even.measure(
-                engine, f32_target, draft_gguf, block, spec_type, flat, args.tokens, logs, records,
+                engine, f32_target, trained.gguf, block, spec_type, flat, args.tokens, logs, records,
                 lengths=break_even.synthetic_lengths(block, 5),
             )  # fmt: skip
         point.break_even = shapes[point.block, point.layers]

@@ -68,13 +68,15 @@ def served_shape(draft: DFlashDraft) -> tuple[int, str]:
 def gguf_files(engine: Engine, run: Run, draft: DFlashDraft, target: Target) -> tuple[Path, Path]:
     """The target once per work directory (keyed by its weights), the draft once per run checkpoint."""
     target_file = target_gguf(engine, run.workdir / SERVED_DIR, target.source, target.weights_hash)
+    return target_file, draft_gguf(engine, run, draft, target)
+
+
+def draft_gguf(engine: Engine, run: Run, draft: DFlashDraft, target: Target) -> Path:
+    """The run's draft as f32 GGUF, converted once per run checkpoint."""
     export = run.path(SERVED_DIR) / "export"
     if not (export / "config.json").is_file():
         export_checkpoint(draft, export, target.source)
-    draft_gguf = to_gguf(
-        engine, export, run.path(SERVED_DIR) / "draft-f32.gguf", f"run {run.name}", Path(target.source)
-    )
-    return target_file, draft_gguf
+    return to_gguf(engine, export, run.path(SERVED_DIR) / "draft-f32.gguf", f"run {run.name}", Path(target.source))
 
 
 @dataclass
