@@ -116,10 +116,15 @@ def computed_in(runs: pd.DataFrame) -> str:
     )
 
 
+def knobs_that_differ(knobs, configs: list[Configuration]) -> list[str]:
+    """Those of `knobs` whose value is not the same in every configuration."""
+    return [k for k in knobs if len({str(c.first.get(k, "")) for c in configs}) > 1]
+
+
 def differing_knobs(configs: list[Configuration]) -> list[str]:
     """The shared and training knobs that differ between the study's configurations (a sweep over block size,
     depth or learning rate): each gets a column, and the comparison is like for like in every other knob."""
-    return [k for k in OTHER_KNOBS if len({str(c.first.get(k, "")) for c in configs}) > 1]
+    return knobs_that_differ(OTHER_KNOBS, configs)
 
 
 def knob_columns(configs: list[Configuration]) -> list[str]:
@@ -264,7 +269,7 @@ def pareto_section(record: StudyRecord, configs: list[Configuration]) -> str | N
         if not any(r >= realized and m <= ms and (r > realized or m < ms) for _, r, m in trials)
     ]
     front.sort(key=lambda item: item[2])
-    knobs = [k for k in knob_columns(configs) if len({str(c.first[k]) for c, _, _ in trials}) > 1]  # the swept ones
+    knobs = knobs_that_differ(knob_columns(configs), [c for c, _, _ in trials])  # the swept ones
     rows = [[c.label, *[fmt_value(c.first[k]) for k in knobs], f"{r:.3f}", f"{ms:.2f}"] for c, r, ms in front]
     note = (
         f"The trials no other trial beats on both objectives (a longer realized accepted length and a shorter draft "

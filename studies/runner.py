@@ -56,17 +56,15 @@ from studies.storage import (
 from studies.torchrun_job import RunJob, TrialLink
 
 log = logging.getLogger(__name__)
-
-
-class TrunkPending(Exception):
-    """A branch trial met its trunk still queued: it went back into the queue behind it."""
-
-
 CLAIM_POLL_S = 2.0  # how often a launcher waiting on another's baseline or parent run looks again
 PARENT_CLAIM = "parent-run"
 DESIGN_CLAIM = "design-points"  # the one launcher that enqueues a design's points
 NO_POINT_LEFT = "no design point left: another worker took the last one"
 BUDGET_PARAM = "budget"  # a design trial's step budget, among its Optuna params in a study with several budgets
+
+
+class TrunkPending(Exception):
+    """A branch trial met its trunk still queued: it went back into the queue behind it."""
 
 
 def make_sampler(definition: StudyDefinition, trials_so_far: int = 0) -> optuna.samplers.BaseSampler:
@@ -300,12 +298,14 @@ class StudyRunner:
         while True:
             for baseline, seed, steps in list(pending):
                 name = self.baseline_run(baseline, seed, steps)
-                trunk = self.baseline_run(baseline, seed, definition.budgets[-1])
-                if is_branch(definition, steps) and self.claims.state(trunk) != ClaimState.DONE:
+                trunk = None
+                if is_branch(definition, steps):
+                    trunk = self.baseline_run(baseline, seed, definition.budgets[-1])
+                if trunk is not None and self.claims.state(trunk) != ClaimState.DONE:
                     continue  # its trunk is another launcher's, still training
                 with self.claims.hold(name) as mine:
                     if mine:
-                        self._run_baseline(baseline, seed, steps, name, trunk if is_branch(definition, steps) else None)
+                        self._run_baseline(baseline, seed, steps, name, trunk)
                 if self.claims.state(name) == ClaimState.DONE:
                     pending.remove((baseline, seed, steps))
             if not pending or not wait:
