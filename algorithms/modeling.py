@@ -6,6 +6,7 @@ blocks (norm, rotary, attention, MLP), one decoder layer and the backbone.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,9 @@ class TargetSpec:
     vocab_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    # The target's RoPE frequency scaling as its config states it (`rope_type` plus that type's fields), None
+    # when unscaled: the draft attends over the target's positions, so it rotates them the same way.
+    rope_scaling: dict | None = None
     max_position_embeddings: int = 8192
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
@@ -82,11 +86,43 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def llama3_frequencies(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's long-context RoPE: frequencies whose wavelength exceeds the original context / low_freq_factor
+    slow down by `factor`, those shorter than original context / high_freq_factor stay, and the band between
+    blends the two linearly in original context / wavelength."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq
+    blend = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: slowed fully, 1: kept
+    return inv_freq / factor * (1 - blend) + inv_freq * blend
+
+
+# RoPE scalings the draft reproduces, by the `rope_type` a config names; each maps unscaled inverse frequencies
+# to scaled ones. Types that also rescale attention (yarn, longrope) or depend on the length (dynamic) are refused.
+ROPE_SCALINGS = {
+    "default": lambda inv_freq, scaling: inv_freq,
+    "linear": lambda inv_freq, scaling: inv_freq / scaling["factor"],
+    "llama3": llama3_frequencies,
+}
+# The config fields each scaled type reads.
+ROPE_SCALING_FIELDS = {
+    "linear": ["factor"],
+    "llama3": ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
+}
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None, device=None) -> torch.Tensor:
+    """The per-pair rotation frequencies [head_dim / 2], scaled as the target's config says."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    scaling = scaling or {"rope_type": "default"}
+    return ROPE_SCALINGS[scaling["rope_type"]](inv_freq, scaling)
+
+
 def rotary_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype, scaling: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default (unscaled) RoPE tables for the given positions, [L, head_dim] each."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    """RoPE tables for the given positions, [L, head_dim] each."""
+    inv_freq = rope_inverse_frequencies(head_dim, theta, scaling, positions.device)
     freqs = positions.float()[:, None] * inv_freq[None, :]
     angles = torch.cat([freqs, freqs], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -250,7 +286,9 @@ class DraftBackbone(nn.Module):
         dtype = self.fc.weight.dtype
         context = self.hidden_norm(self.fc(features.to(dtype)))
         x = (self.embed_weight[block_input_ids] * t.input_embedding_scale).to(dtype)
-        rotary_k = rotary_cos_sin(torch.cat([context_positions, block_positions]), t.head_dim, t.rope_theta, dtype)
+        rotary_k = rotary_cos_sin(
+            torch.cat([context_positions, block_positions]), t.head_dim, t.rope_theta, dtype, t.rope_scaling
+        )
         rotary_q = (rotary_k[0][-block_positions.shape[0] :], rotary_k[1][-block_positions.shape[0] :])
         for layer in self.layers:
             x = layer(x, context, rotary_q, rotary_k, tiles, block_len)

@@ -46,7 +46,8 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--target",
-        help=f"embedded target name, local HF model dir or hub id (default: the config file's, else {DEFAULT_TARGET})",
+        help="embedded target name, local HF model dir, or hub id (org/name[@REVISION] pins a revision; "
+        f"default: the config file's, else {DEFAULT_TARGET})",
     )
     parser.add_argument("--config", type=Path, help="YAML run config; flags given on the command line override it")
     parser.add_argument(
@@ -96,11 +97,11 @@ def planned_draft(config, workdir: Path):
     from harness import devices
     from harness.targets import target_config, target_spec
 
-    spec = target_spec(target_config(config.target, workdir), config.target)
     algorithm = config.algorithm
     if algorithm.shared.mask_token_id is None:
         algorithm = algorithm.replace(mask_token_id=0)  # placeholder for shape counting only; chosen at train time
     try:
+        spec = target_spec(target_config(config.target, workdir), config.target)
         with devices.shapes_only():
             embed = torch.empty(spec.vocab_size, spec.hidden_size)
             return build_draft(algorithm, spec, embed, embed)
@@ -345,6 +346,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from harness.train import checkpoint_config, prepare_workspace, restore_draft
 
     engine = served_engine(args)
+    if args.prompts is not None:
+        from harness.data import read_prompts
+
+        try:
+            read_prompts(args.prompts)  # refused before the target and data load
+        except ValueError as error:
+            raise SystemExit(f"error: {error}") from None
     run = located_run(args)
     state = run.load_checkpoint()
     config = checkpoint_config(state)
@@ -359,6 +367,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         temperatures=tuple(args.temperatures),
         confidence_threshold=args.confidence_threshold,
+        prompts=None if args.prompts is None else str(args.prompts),
     )
     if engine is not None:
         return evaluate_served(engine, run, workspace, draft, eval_config)
@@ -445,6 +454,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     args.engine = ENGINE
     engine = served_engine(args)
+    if args.prompts is not None:
+        from harness.data import read_prompts
+
+        try:
+            read_prompts(args.prompts)  # refused before the target and data load
+        except ValueError as error:
+            raise SystemExit(f"error: {error}") from None
     run = located_run(args)
     state = run.load_checkpoint()
     config = checkpoint_config(state)
@@ -552,6 +568,13 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = EvalConfig()
     evaluate.add_argument(
         "--num-prompts", type=int, default=defaults.num_prompts, help="prompts per set (default: %(default)s)"
+    )
+    evaluate.add_argument(
+        "--prompts",
+        type=Path,
+        metavar="FILE",
+        help='your own prompts in place of MT-bench: a JSONL file of {"prompt": "..."} per line, its first '
+        "--num-prompts decoded (default: MT-bench first turns)",
     )
     evaluate.add_argument(
         "--max-new-tokens", type=int, default=defaults.max_new_tokens, help="tokens per request (default: %(default)s)"

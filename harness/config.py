@@ -147,6 +147,9 @@ class EvalConfig:
     # A member with a confidence head (DSpark) sends the target only the draft prefix whose predicted
     # cumulative acceptance stays at or above this; 0 verifies every member's whole block, like for like.
     confidence_threshold: float = 0.0
+    # A JSONL file of {"prompt": ...} decoded in place of MT-bench (its first `num_prompts`), e.g. a user's own
+    # traffic; None: MT-bench first turns.
+    prompts: str | None = None
 
 
 @dataclass

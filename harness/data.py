@@ -7,6 +7,7 @@ import importlib.metadata
 import json
 import logging
 import random
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -174,8 +175,15 @@ def check_local_dataset(config: DataConfig) -> None:
     if config.dataset in EMBEDDED_DATASETS or not path.is_file():
         return
     allowed = 'allowed a JSONL file of {"messages": [{"role": ..., "content": ...}, ...]} or {"prompt": "..."} per line'
+    for _ in jsonl_objects(path, f"--data={dataset!r}", allowed):
+        pass
+
+
+def jsonl_objects(path: Path, flag: str, allowed: str) -> Iterator[tuple[int, dict]]:
+    """Each non-blank line of a JSONL file with its number, as a JSON object; the first line that is not one
+    (or an empty file) is refused naming `flag`, the line and what is `allowed`."""
     if path.stat().st_size == 0:
-        raise ValueError(f"invalid --data={dataset!r}: the file is empty; {allowed}")
+        raise ValueError(f"invalid {flag}: the file is empty; {allowed}")
     with path.open("rb") as lines:
         for number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -184,9 +192,24 @@ def check_local_dataset(config: DataConfig) -> None:
                 record = json.loads(line.decode("utf-8"))
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
                 problem = "not UTF-8 text" if isinstance(error, UnicodeDecodeError) else f"not JSON ({error.msg})"
-                raise ValueError(f"invalid --data={dataset!r}: line {number} is {problem}; {allowed}") from None
+                raise ValueError(f"invalid {flag}: line {number} is {problem}; {allowed}") from None
             if not isinstance(record, dict):
-                raise ValueError(f"invalid --data={dataset!r}: line {number} is not a JSON object; {allowed}")
+                raise ValueError(f"invalid {flag}: line {number} is not a JSON object; {allowed}")
+            yield number, record
+
+
+def read_prompts(path: Path) -> list[str]:
+    """A user's own evaluation prompts: a JSONL file of {"prompt": "..."} per line (the prompts-only data format)."""
+    flag, allowed = f"--prompts={str(path)!r}", 'allowed a JSONL file of {"prompt": "..."} per line'
+    if not path.is_file():
+        raise ValueError(f"invalid {flag}: no such file; {allowed}")
+    prompts = []
+    for number, record in jsonl_objects(path, flag, allowed):
+        prompt = record.get(PROMPT_COLUMN)
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"invalid {flag}: line {number} has no text in {PROMPT_COLUMN!r}; {allowed}")
+        prompts.append(prompt)
+    return prompts
 
 
 def conversation_problem(messages, regenerate: bool = True) -> str | None:

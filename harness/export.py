@@ -37,7 +37,9 @@ def qwen3_fields(draft: DFlashDraft) -> dict:
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "rope_theta": target.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": target.rope_theta},
+        "rope_parameters": {"rope_type": "default", **(target.rope_scaling or {}), "rope_theta": target.rope_theta},
+        # transformers 4.x reads a scaling from `rope_scaling` alone
+        **({"rope_scaling": target.rope_scaling} if target.rope_scaling else {}),
         "layer_types": ["sliding_attention"] * cfg.num_layers,
         "sliding_window": cfg.sliding_window,
         "use_sliding_window": True,

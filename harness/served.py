@@ -27,7 +27,7 @@ from algorithms.registry import Algorithm
 from harness import break_even, devices, tracking
 from harness.config import EvalConfig
 from harness.decode import speculative_generate, target_greedy
-from harness.evaluate import chat_prompt_ids, mtbench_questions, prompt_ids, temperature_tag
+from harness.evaluate import instruction_set, prompt_sets, temperature_tag
 from harness.export import NoPeerFormat, export_checkpoint, peer_format
 from harness.files import atomic_write
 from harness.run import SERVED_DIR, SERVED_RECORDS_FILE, SERVING_LOCK_FILE, Run, server_records
@@ -194,22 +194,19 @@ def serve_and_compare(
 ) -> tuple[dict[str, float], list[dict]]:
     """Serve the run's draft and the target alone; decode the same prompts with the harness; compare."""
     check_servable(draft)
-    prompt_sets = {
-        "mtbench": [prompt_ids(target.tokenizer, q) for q in mtbench_questions(config.num_prompts)],
-        "chat": chat_prompt_ids(chat_documents, config.num_prompts),
-    }
+    sets = prompt_sets(target.tokenizer, chat_documents, config)
     temperatures = sorted({0.0, *config.temperatures})  # T = 0 always: the cycle-by-cycle check needs it
     ggufs = gguf_files(engine, run, draft, target)  # checked once: each check reads the whole target GGUF
-    served, alone = serve_prompts(engine, run, ggufs, draft, prompt_sets, temperatures, config)
+    served, alone = serve_prompts(engine, run, ggufs, draft, sets, temperatures, config)
     records = [
         record
-        for name, prompts in prompt_sets.items()
+        for name, prompts in sets.items()
         for record in compare_requests(target, draft, name, prompts, served, alone, config.max_new_tokens)
     ]
     metrics = served_metrics(served, alone, records)
     for temperature in temperatures[1:]:
-        metrics.update(harness_sampled(target, draft, prompt_sets, temperature, config))
-    metrics.update(break_even_metrics(engine, run, ggufs, draft, prompt_sets["mtbench"], config))
+        metrics.update(harness_sampled(target, draft, sets, temperature, config))
+    metrics.update(break_even_metrics(engine, run, ggufs, draft, sets[instruction_set(config)], config))
     metrics["break_even_shortfall"] = metrics["break_even_accepted_length"] - metrics["accepted_length_greedy"]
     return metrics, records
 

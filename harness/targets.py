@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import torch
 
 from algorithms import TargetSpec
-from harness.devices import dtype_name
+from algorithms.modeling import ROPE_SCALING_FIELDS, ROPE_SCALINGS
+from harness.devices import dtype_name, target_weights_dtype
 from harness.files import atomic_write, file_sha256
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class Target:
     spec: TargetSpec
     mask_token_id: int
     mask_token_reason: str
-    dtype: str = "float32"  # the dtype of the target's own weights (its config's); it runs in fp32 here
+    dtype: str = "float32"  # the dtype of the target's own weights (its config's), not the dtype it loads in
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -99,9 +100,6 @@ def convert_gguf(gguf: Path, out_dir: Path) -> None:
 def target_spec(config, name_or_path: str) -> TargetSpec:
     """Map an HF config onto what the draft copies from its verifier."""
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in (None, "default"):
-        raise ValueError(f"target {name_or_path!r} uses rope_type={rope_type!r}; allowed: 'default' (unscaled RoPE)")
     theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     heads = config.num_attention_heads
     scaling = getattr(config, "logits_scaling", None)  # Granite divides its logits
@@ -115,12 +113,30 @@ def target_spec(config, name_or_path: str) -> TargetSpec:
         vocab_size=config.vocab_size,
         rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
         rope_theta=float(theta),
+        rope_scaling=rope_scaling(rope, name_or_path),
         max_position_embeddings=int(getattr(config, "max_position_embeddings", 8192)),
         output_multiplier=1.0 / scaling if scaling else 1.0,
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
         name_or_path=name_or_path,
         architectures=list(getattr(config, "architectures", None) or []),
     )
+
+
+def rope_scaling(rope: dict, name_or_path: str) -> dict | None:
+    """The target's RoPE scaling as the draft reproduces it (None: unscaled), or a one-line refusal."""
+    rope_type = rope.get("rope_type", rope.get("type")) or "default"
+    if rope_type not in ROPE_SCALINGS:
+        raise ValueError(
+            f"invalid --target={name_or_path!r}: its RoPE is rope_type={rope_type!r}; allowed {sorted(ROPE_SCALINGS)} "
+            "(the draft cannot reproduce attention rescaling or length-dependent RoPE)"
+        )
+    if rope_type == "default":
+        return None
+    fields = ROPE_SCALING_FIELDS[rope_type]
+    missing = [name for name in fields if name not in rope]
+    if missing:
+        raise ValueError(f"invalid --target={name_or_path!r}: rope_type={rope_type!r} without {missing} in its config")
+    return {"rope_type": rope_type, **{name: rope[name] for name in fields}}
 
 
 def choose_mask_token(tokenizer, explicit: int | None, vocab_size: int) -> tuple[int, str]:
@@ -144,6 +160,16 @@ def choose_mask_token(tokenizer, explicit: int | None, vocab_size: int) -> tuple
     return token_id, f"rarely used special token {content!r} (the vocabulary has no free row)"
 
 
+def hub_reference(name_or_path: str) -> tuple[str, str | None]:
+    """A hub id and the revision it pins: `org/name@REVISION` (a commit, tag or branch) loads that revision,
+    and the pin is part of the target's name, so runs record it. Anything else (an embedded name, an existing
+    path, a hub id without `@`) loads as given."""
+    if "@" not in name_or_path or Path(name_or_path).exists():
+        return name_or_path, None
+    repo, revision = name_or_path.rsplit("@", 1)
+    return repo, revision
+
+
 def load_target(name_or_path: str, cache_dir: Path, mask_token_id: int | None = None, device: str = "cpu") -> Target:
     """Load a frozen target by embedded name, local path or hub id (hub ids need network access)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -164,12 +190,13 @@ def load_target(name_or_path: str, cache_dir: Path, mask_token_id: int | None = 
         weights_hash = hashlib.sha256(
             "".join(file_sha256(f) for f in weight_files).encode() or name_or_path.encode()
         ).hexdigest()
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).to(device).eval()
-    model.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    source, revision = hub_reference(source)
+    model = AutoModelForCausalLM.from_pretrained(source, revision=revision, dtype=target_weights_dtype(device))
+    model = model.to(device).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(source, revision=revision)
     spec = target_spec(model.config, name_or_path)
     mask_id, reason = choose_mask_token(tokenizer, mask_token_id, spec.vocab_size)
-    dtype = native_dtype(AutoConfig.from_pretrained(source))
+    dtype = native_dtype(AutoConfig.from_pretrained(source, revision=revision))
     return Target(name_or_path, source, weights_hash[:16], model, tokenizer, spec, mask_id, reason, dtype)
 
 
@@ -194,7 +221,7 @@ def target_config(name_or_path: str, cache_dir: Path):
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     allowed = (
         f"one of the embedded targets {list(EMBEDDED_TARGETS)}, a local HF model directory with config.json, "
-        "or a hub id this machine can reach"
+        "or a hub id this machine can reach (org/name, or org/name@REVISION to pin one)"
     )
     from transformers import AutoConfig
 
@@ -204,6 +231,7 @@ def target_config(name_or_path: str, cache_dir: Path):
             f"invalid --target={name_or_path!r}: a directory without config.json; allowed {allowed}"
         )
     try:
-        return AutoConfig.from_pretrained(name_or_path)
+        repo, revision = hub_reference(name_or_path)
+        return AutoConfig.from_pretrained(repo, revision=revision)
     except (OSError, ValueError):
         raise FileNotFoundError(f"invalid --target={name_or_path!r}: not found; allowed {allowed}") from None

@@ -16,6 +16,15 @@ from algorithms import AlgorithmConfig, TargetSpec, build_draft
 from algorithms.blocks import PackedRow, sample_anchors
 
 VOCAB, HIDDEN, TARGET_LAYERS = 300, 64, 8
+# Llama 3.1's scaling, shrunk so that a tiny head's frequencies fall on all three sides of the blend band
+# (wavelengths 6.3, 20, 63, ... against a band from 16 / 4 = 4 to 16 / 1 = 16 positions).
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
 def tiny_target(**overrides) -> TargetSpec:
@@ -39,7 +48,7 @@ def tiny_llama(**overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     spec = tiny_target()
-    config = LlamaConfig(
+    fields = dict(
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         num_hidden_layers=spec.num_hidden_layers,
@@ -47,8 +56,8 @@ def tiny_llama(**overrides):
         num_key_value_heads=spec.num_key_value_heads,
         head_dim=spec.head_dim,
         intermediate_size=spec.intermediate_size,
-        **overrides,
     )
+    config = LlamaConfig(**{**fields, **overrides})
     return LlamaForCausalLM(config)
 
 
@@ -196,6 +205,13 @@ FILE_ORDER = (
     "test_harness_e2e.py",
     "test_gpu_check.py",
 )
+
+
+def one_line(result) -> str:
+    """A refusal's stderr: exit status 2 and one line, no traceback."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    return lines[0]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -41,10 +41,11 @@ STEPS = 3  # the optimizer's state exists from the first step; later steps use i
 
 
 def standin_target(device: str = STANDIN) -> SimpleNamespace:
-    """A tiny Llama verifier, frozen, on the stand-in (what `harness.targets.Target` gives the recipe)."""
+    """A tiny Llama verifier, frozen, on the stand-in in the dtype an accelerator loads it in (bf16), as
+    `harness.targets.Target` gives the recipe."""
     spec = tiny_target()
     torch.manual_seed(0)
-    model = tiny_llama().eval().requires_grad_(False).to(device)
+    model = tiny_llama().eval().requires_grad_(False).to(device, devices.target_weights_dtype(device))
     return SimpleNamespace(
         model=model,
         spec=spec,

@@ -267,6 +267,11 @@ BAD_FILES = {
         ),
         (["export", "no-such-run"], {}, "no checkpoint for run 'no-such-run'"),
         (
+            ["evaluate", "kept", "--prompts", "no-such.jsonl"],
+            {},
+            'invalid --prompts=\'no-such.jsonl\': no such file; allowed a JSONL file of {"prompt": "..."} per line',
+        ),
+        (
             ["evaluate", "kept", "--confidence-threshold", "1.5"],
             {},
             "argument --confidence-threshold: '1.5'; allowed a number in [0, 1]",

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from harness.data import DataConfig, conversation_problem, load_conversations
+from harness.data import DataConfig, conversation_problem, load_conversations, read_prompts
 
 GOOD = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
@@ -76,3 +76,28 @@ def test_a_file_of_prompts_becomes_user_turns_for_the_target_to_answer(tmp_path,
     config = DataConfig(dataset=str(data), num_conversations=2, num_validation=1, regenerate=False)
     with pytest.raises(ValueError, match=r"prompts.jsonl' with --no-regenerate: a file of prompts has no replies"):
         load_conversations(config, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("", "the file is empty"),
+        ('{"prompt": "fine"}\n[1, 2]\n', "line 2 is not a JSON object"),
+        ('{"prompt": "fine"}\n{"prompt": "  "}\n', "line 2 has no text in 'prompt'"),
+        ('{"messages": []}\n', "line 1 has no text in 'prompt'"),
+        ("{oops\n", "line 1 is not JSON"),
+    ],
+)
+def test_a_prompts_file_is_refused_naming_its_first_bad_line(tmp_path, content, problem):
+    path = tmp_path / "mine.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError) as refused:
+        read_prompts(path)
+    assert str(refused.value).startswith(f"invalid --prompts='{path}': {problem}")
+    assert str(refused.value).endswith('allowed a JSONL file of {"prompt": "..."} per line')
+
+
+def test_a_prompts_file_reads_in_order_past_blank_lines(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "one"}\n\n{"prompt": "two", "id": 7}\n')
+    assert read_prompts(path) == ["one", "two"]

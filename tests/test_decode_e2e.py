@@ -15,8 +15,9 @@ import mlflow
 import pytest
 
 from harness import tracking
+from harness.config import EvalConfig
 from harness.decode import speculative_generate, target_greedy
-from harness.evaluate import mtbench_questions, prompt_ids
+from harness.evaluate import evaluate, mtbench_questions, prompt_ids
 
 from conftest import E2E_MEMBERS, e2e_run_config, gone, started_server
 
@@ -124,6 +125,17 @@ def test_evaluate_logs_measured_acceptance_into_the_run(e2e_workspace, e2e_workd
     assert metrics["se/eval/measured_accepted_length_greedy"] == pytest.approx(
         statistics.stdev(greedy) / len(greedy) ** 0.5, rel=1e-6
     )
+
+
+def test_evaluate_decodes_a_users_own_prompts_in_mtbench_place(e2e_workspace, trained, tmp_path):
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"prompt": "Name three colours."}\n\n{"prompt": "Say hello to Ada."}\n{"prompt": "unused"}\n')
+    config = EvalConfig(num_prompts=2, max_new_tokens=12, temperatures=(0.0,), prompts=str(mine))
+    workspace = e2e_workspace
+    metrics, records = evaluate(workspace.target, trained["dflash2"].draft, workspace.data.validation, config)
+    assert [(r["set"], r["prompt"]) for r in records] == [("prompts", 0), ("prompts", 1), ("chat", 0), ("chat", 1)]
+    assert all(r["lossless"] for r in records) and records[0]["tokens"] == 12
+    assert metrics["prompts_measured_accepted_length_greedy"] >= 1.0 and not any("mtbench" in m for m in metrics)
 
 
 @pytest.mark.peer

@@ -6,9 +6,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from algorithms import build_draft
 from harness.export import export_checkpoint, load_exported_weights
 
-from conftest import tiny_draft
+from conftest import LLAMA3_ROPE, frozen_tensors, tiny_config, tiny_draft, tiny_target
 
 dflash_model = pytest.importorskip(
     "dflash.model", reason="dflash==0.1.0 (Z Lab reference) is not installed; .ci/run installs it with --no-deps"
@@ -92,3 +93,31 @@ def test_export_loads_in_zlab_dflash_with_matching_outputs(tmp_path, algorithm):
         assert torch.equal(
             path[0], draft.propose_from_hidden(ours[1:], draft.output_logits(ours)[1:], anchor, 0.0, None).tokens
         )
+
+
+@pytest.mark.peer
+def test_a_rope_scaled_export_rotates_in_zlab_dflash_as_here(tmp_path):
+    """A Llama-3.x target's scaled RoPE reaches the export: Z Lab's model, built from its config alone, gives the
+    draft's hidden states, and these differ from the unscaled draft's."""
+    embed, head = frozen_tensors()
+    torch.manual_seed(0)
+    draft = build_draft(tiny_config("dflash"), tiny_target(rope_scaling=LLAMA3_ROPE), embed, head)
+    out = export_checkpoint(draft, tmp_path / "ckpt", "/models/verifier")
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"] == {**LLAMA3_ROPE, "rope_theta": 10000.0} and config["rope_scaling"] == LLAMA3_ROPE
+    load_exported_weights(draft, out)
+    theirs = dflash_model.DFlashDraftModel.from_pretrained(out, dtype=torch.float32).eval()
+    features = torch.randn(40, 3 * 64, generator=torch.Generator().manual_seed(0))
+    ours = draft.single_block_hidden(features, torch.arange(40), 42, 40, draft.block_size)
+    block_ids = torch.full((draft.block_size,), draft.config.mask_token_id)
+    block_ids[0] = 42
+    with torch.no_grad():
+        reference = theirs(
+            position_ids=torch.arange(40 + draft.block_size)[None],
+            noise_embedding=draft.embed_weight[block_ids][None],
+            target_hidden=features[None],
+        )[0]
+    assert torch.allclose(ours, reference, atol=1e-4)
+    draft.config.target.rope_scaling = None
+    unscaled = draft.single_block_hidden(features, torch.arange(40), 42, 40, draft.block_size)
+    assert not torch.allclose(unscaled, reference, atol=1e-3)

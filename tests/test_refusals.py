@@ -12,6 +12,8 @@ import pytest
 
 from harness.uncertainty import Estimate
 
+from conftest import one_line
+
 
 def writable(path: Path) -> bool:
     try:
@@ -43,12 +45,6 @@ def read_only():
     for path in reversed(made):
         subprocess.run(["chattr", "-i", str(path)], capture_output=True)
         path.chmod(0o755 if path.is_dir() else 0o644)
-
-
-def one_line(result) -> str:
-    lines = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    return lines[0]
 
 
 @pytest.fixture
