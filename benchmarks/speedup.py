@@ -15,6 +15,7 @@ import argparse
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from harness.data import prepare_documents
 from harness.evaluate import chat_prompt_ids, mtbench_records, prompt_ids
 from harness.run import SERVED_DIR, Run, server_records
 from harness.served import accepted_length, gguf_files, served_shape
-from harness.serving import Completion, LlamaServer, find_engine
+from harness.serving import Completion, Engine, LlamaServer, find_engine
 from harness.targets import embedded_gguf_path, load_target
 from harness.train import checkpoint_config, restore_draft
 from harness.uncertainty import ratio_estimate
@@ -52,19 +53,33 @@ def serve_all(
     }
 
 
-def row(name: str, served: dict[str, list[Completion]], alone: dict[str, list[Completion]]) -> list[str]:
-    """Speed-up overall and per category, and what the drafts did: accepted length over drafting cycles, and the
-    share of generated tokens that came from accepted drafts."""
-    speed = lambda runs: [c.tokens_per_s for group in runs.values() for c in group]  # noqa: E731
-    overall = ratio_estimate(speed(served), speed(alone))
+def bracketed(before: dict[str, list[Completion]], after: dict[str, list[Completion]]) -> dict[str, list[float]]:
+    """Each prompt's tokens/s with the target alone: the mean of a pass before the drafts and one after, so a
+    machine that speeds up or slows down during the launch moves the baseline with it."""
+    return {
+        category: [(b.tokens_per_s + a.tokens_per_s) / 2 for b, a in zip(group, after[category], strict=True)]
+        for category, group in before.items()
+    }
+
+
+def alone_speed(timed: dict[str, list[Completion]]) -> float:
+    """Mean tokens/s over prompts of one alone pass."""
+    return sum(c.tokens_per_s for g in timed.values() for c in g) / sum(len(g) for g in timed.values())
+
+
+def row(name: str, served: dict[str, list[Completion]], alone: dict[str, list[float]]) -> list[str]:
+    """Speed-up overall and per category against the bracketed alone speeds, and what the drafts did: accepted
+    length over drafting cycles, and the share of generated tokens that came from accepted drafts."""
+    overall = ratio_estimate(
+        [c.tokens_per_s for group in served.values() for c in group], [v for group in alone.values() for v in group]
+    )
     completions = [c for group in served.values() for c in group]
     cycles = [a for c in completions for a in c.accepted]
     tokens = sum(len(c.tokens) for c in completions)
     by_category = {
-        category: ratio_estimate([c.tokens_per_s for c in served[category]], [c.tokens_per_s for c in group])
-        for category, group in alone.items()
+        category: ratio_estimate([c.tokens_per_s for c in served[category]], group) for category, group in alone.items()
     }
-    per_category = " · ".join(f"{category} {found.value:.2f}" for category, found in by_category.items())
+    per_category = " · ".join(f"{category} {found.text()}" for category, found in by_category.items())
     return [
         name,
         overall.text(),
@@ -72,6 +87,25 @@ def row(name: str, served: dict[str, list[Completion]], alone: dict[str, list[Co
         f"{sum(c.draft_n_accepted for c in completions) / tokens:.1%}" if tokens else "-",
         per_category,
     ]
+
+
+@dataclass
+class ServerSetting:
+    """One target model's llama-server launches in this benchmark: each serves the same prompts, alone, with the
+    trained draft or with an n-gram type, and logs under its own name."""
+
+    engine: Engine
+    model: Path
+    logs: Path
+    tag: str
+    records: Path
+    prompts: dict[str, list[list[int]]]
+    args: argparse.Namespace
+
+    def serve(self, name: str, *drafter, **options) -> dict[str, list[Completion]]:
+        log = self.logs / f"{self.tag}-{name}.log"
+        with LlamaServer(self.engine, self.model, log, self.records, *drafter, **options) as server:
+            return serve_all(server, self.prompts, self.args.tokens, not self.args.until_eos)
 
 
 def measure(args: argparse.Namespace) -> str:
@@ -91,19 +125,16 @@ def measure(args: argparse.Namespace) -> str:
     for target_name, model in {"f32": f32_target, "Q4_1 (shipped)": embedded_gguf_path(config.target)}.items():
         started = time.monotonic()
         tag = target_name.split()[0]
-        with LlamaServer(engine, model, logs / f"{tag}-alone.log", records) as server:
-            alone = serve_all(server, prompts, args.tokens)
-        with LlamaServer(engine, model, logs / f"{tag}-draft.log", records, draft_gguf, block, spec_type) as server:
-            rows = [
-                row(
-                    f"`{run.name}` ({config.algorithm.algorithm}, block {block + 1})",
-                    serve_all(server, prompts, args.tokens),
-                    alone,
-                )
-            ]
-        for ngram in NGRAM_TYPES:
-            with LlamaServer(engine, model, logs / f"{tag}-{ngram}.log", records, spec_type=ngram) as server:
-                rows.append(row(f"`{ngram}`", serve_all(server, prompts, args.tokens), alone))
+
+        server = ServerSetting(engine, model, logs, tag, records, prompts, args)
+        before = server.serve("alone-before")
+        served = {f"`{run.name}` ({config.algorithm.algorithm}, block {block + 1})": server.serve(
+            "draft", draft_gguf, block, spec_type
+        )}  # fmt: skip
+        served.update({f"`{ngram}`": server.serve(ngram, spec_type=ngram) for ngram in NGRAM_TYPES})
+        after = server.serve("alone-after")
+        alone = bracketed(before, after)
+        rows = [row(name, completions, alone) for name, completions in served.items()]
         flat = [p for group in prompts.values() for p in group][: args.break_even_prompts]
         found = break_even.measure(
             engine,
@@ -117,9 +148,9 @@ def measure(args: argparse.Namespace) -> str:
             records,
             lengths=break_even.synthetic_lengths(block, 5),
         )
-        alone_speed = sum(c.tokens_per_s for g in alone.values() for c in g) / sum(len(g) for g in alone.values())
         sections += [
-            f"### {target_name} target: alone {alone_speed:.1f} tokens/s ({(time.monotonic() - started) / 60:.0f} min)",
+            f"### {target_name} target: alone {alone_speed(before):.1f} tokens/s before the drafts, "
+            f"{alone_speed(after):.1f} after ({(time.monotonic() - started) / 60:.0f} min)",
             "",
             "| drafter | speed-up [95%] | accepted length (drafting cycles) | tokens from drafts | by category |",
             "| --- | --- | --- | --- | --- |",
@@ -136,11 +167,12 @@ def measure(args: argparse.Namespace) -> str:
             "",
             f"{cpu_model()} ({os.cpu_count()} cores), llama.cpp {engine.commit[:9]}; `python -m benchmarks.speedup "
             f"--workdir {args.workdir} --run {args.run} --per-category {args.per_category} --chat {args.chat} "
-            f"--tokens {args.tokens}`. "
+            f"--tokens {args.tokens}{' --until-eos' * args.until_eos}`. "
             f"{count} prompts: MT-bench first turns ({args.per_category} per category, the first by question id) and "
             f"{args.chat} of the run's held-out chat conversations, "
-            f"{args.tokens} new tokens each (`ignore_eos`), T = 0. The run: {config.train.max_steps} steps, "
-            f"{config.data.num_conversations} conversations.",
+            f"{reply_length(args)}, T = 0. The run: {config.train.max_steps} steps, "
+            f"{config.data.num_conversations} conversations. Each speed-up is paired by prompt with the target "
+            "alone, timed before and after every drafter (the mean of the two).",
             "",
             *sections,
         ]
@@ -154,6 +186,16 @@ def serving_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", type=int, default=8, help="held-out chat prompts of the run (default: 8)")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per request (default: 128)")
     parser.add_argument("--break-even-prompts", type=int, default=8, help="prompts of the break-even (default: 8)")
+    parser.add_argument(
+        "--until-eos", action="store_true", help="stop each reply at its end-of-sequence token (default: decode all)"
+    )
+
+
+def reply_length(args: argparse.Namespace) -> str:
+    """How long each served reply was, as the benchmark's text states it."""
+    if args.until_eos:
+        return f"up to {args.tokens} new tokens or the end of the reply"
+    return f"{args.tokens} new tokens each (`ignore_eos`)"
 
 
 def main() -> None:

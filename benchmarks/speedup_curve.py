@@ -24,7 +24,16 @@ from pathlib import Path
 from algorithms.dflash import DFlashDraft
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
 from benchmarks.budget_transfer import cpu_model
-from benchmarks.speedup import CHAT, OUT, prompts_by_category, serve_all, serving_arguments
+from benchmarks.speedup import (
+    CHAT,
+    OUT,
+    alone_speed,
+    bracketed,
+    prompts_by_category,
+    reply_length,
+    serve_all,
+    serving_arguments,
+)
 from harness import break_even, tracking
 from harness.config import RunConfig
 from harness.data import PreparedData, prepare_documents
@@ -54,6 +63,8 @@ class Point:
     realized: float  # offline, the final validation's
     accepted: float  # served, over drafting cycles
     speedup: Estimate
+    chat_accepted: float  # served on the held-out chat prompts alone: the training distribution
+    chat_speedup: Estimate
     drafted_share: float
     train_minutes: float | None
     break_even: break_even.BreakEven | None = None
@@ -101,15 +112,23 @@ def wall_minutes(run: Run) -> float | None:
     return (info.end_time - info.start_time) / 60_000 if info.end_time else None
 
 
-def serve_point(engine, f32_target: Path, trained: Trained, prompts: dict, args: argparse.Namespace, alone: dict):
-    run, config = trained.run, trained.config
+def serve_run(engine, f32_target: Path, trained: Trained, prompts: dict, args: argparse.Namespace) -> dict:
+    """The run's draft served on `prompts`: each category's completions."""
     block, spec_type = served_shape(trained.draft)
-    log = run.path(SERVED_DIR) / "speedup-curve.log"
-    with LlamaServer(engine, f32_target, log, server_records(run.workdir), trained.gguf, block, spec_type) as server:
-        served = serve_all(server, prompts, args.tokens, not args.until_eos)
+    log = trained.run.path(SERVED_DIR) / "speedup-curve.log"
+    records = server_records(trained.run.workdir)
+    with LlamaServer(engine, f32_target, log, records, trained.gguf, block, spec_type) as server:
+        return serve_all(server, prompts, args.tokens, not args.until_eos)
+
+
+def point_of(trained: Trained, served: dict, alone: dict[str, list[float]]) -> Point:
+    """One point of the curve: the run's served completions against the target alone on the same prompts."""
+    run, config = trained.run, trained.config
+    block, _ = served_shape(trained.draft)
     completions = [c for group in served.values() for c in group]
     speed = [c.tokens_per_s for c in completions]
-    baseline = [c.tokens_per_s for category in served for c in alone[category][: len(served[category])]]
+    baseline = [v for category in served for v in alone[category]]
+    chat = served[CHAT]
     return Point(
         run=run.name,
         algorithm=config.algorithm.algorithm,
@@ -122,6 +141,8 @@ def serve_point(engine, f32_target: Path, trained: Trained, prompts: dict, args:
         realized=trained.state["history"][-1][REALIZED_ACCEPTED_LENGTH],
         accepted=accepted_length([a for c in completions for a in c.accepted]),
         speedup=ratio_estimate(speed, baseline),
+        chat_accepted=accepted_length([a for c in chat for a in c.accepted]),
+        chat_speedup=ratio_estimate([c.tokens_per_s for c in chat], alone[CHAT]),
         drafted_share=sum(c.draft_n_accepted for c in completions) / sum(len(c.tokens) for c in completions),
         train_minutes=wall_minutes(run),
     )
@@ -150,44 +171,42 @@ def measure(args: argparse.Namespace) -> tuple[str, list[Point]]:
         return timed
 
     before = alone_pass("before")
-    points, shapes = [], {}
+    served, shapes = [], {}
     for trained in runs:
-        prompts = {**mtbench, CHAT: chat_prompts[trained.data_key]}
-        alone = {**{c: before[c] for c in mtbench}, CHAT: before[trained.data_key]}
-        point = serve_point(engine, f32_target, trained, prompts, args, alone)
-        points.append(point)
-        print(f"{point.run}: accepted {point.accepted:.2f}, speed-up {point.speedup.text()}", flush=True)
-        if (point.block, point.layers) not in shapes:
-            block, spec_type = served_shape(trained.draft)
+        served.append(serve_run(engine, f32_target, trained, {**mtbench, CHAT: chat_prompts[trained.data_key]}, args))
+        shape = served_shape(trained.draft), trained.config.algorithm.shared.num_draft_layers
+        if shape not in shapes:
+            (block, spec_type), _ = shape
             flat = [p for group in mtbench.values() for p in group][: args.break_even_prompts]
-            shapes[point.block, point.layers] = break_even.measure(
+            shapes[shape] = break_even.measure(
                 engine, f32_target, trained.gguf, block, spec_type, flat, args.tokens, logs, records,
                 lengths=break_even.synthetic_lengths(block, 5),
             )  # fmt: skip
-        point.break_even = shapes[point.block, point.layers]
     after = alone_pass("after")
-    speed = lambda timed: sum(c.tokens_per_s for g in timed.values() for c in g) / sum(map(len, timed.values()))  # noqa: E731
+    alone = bracketed(before, after)
+    points = []
+    for trained, completions in zip(runs, served, strict=True):
+        point = point_of(trained, completions, {**{c: alone[c] for c in mtbench}, CHAT: alone[trained.data_key]})
+        point.break_even = shapes[served_shape(trained.draft), trained.config.algorithm.shared.num_draft_layers]
+        points.append(point)
+        print(f"{point.run}: accepted {point.accepted:.2f}, speed-up {point.speedup.text()}", flush=True)
     minutes = (time.monotonic() - started) / 60
-    return render(args, engine, points, speed(before), speed(after), minutes), points
+    return render(args, engine, points, alone_speed(before), alone_speed(after), minutes), points
 
 
 def render(args, engine, points: list[Point], before: float, after: float, minutes: float) -> str:
-    length = (
-        f"up to {args.tokens} new tokens or the end of the reply"
-        if args.until_eos
-        else (f"{args.tokens} new tokens each (`ignore_eos`)")
-    )
     rows = [
         "| run | algorithm | block | conversations (supervised tokens) | steps | offline realized | served accepted "
-        "length | speed-up [95%] | tokens from drafts | break-even | training (min) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "length | speed-up [95%] | chat alone: accepted, speed-up | tokens from drafts | break-even | training (min) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p in points:
         lineage = f" (branch of `{p.branch_of}`)" if p.branch_of else ""
         train = f"{p.train_minutes:.1f}" if p.train_minutes is not None else "–"
         rows.append(
             f"| `{p.run}`{lineage} | {p.algorithm} | {p.block} | {p.conversations} ({p.train_tokens:,}) | {p.steps} | "
-            f"{p.realized:.3f} | {p.accepted:.2f} | {p.speedup.text()} | {p.drafted_share:.1%} | "
+            f"{p.realized:.3f} | {p.accepted:.2f} | {p.speedup.text()} | {p.chat_accepted:.2f}, "
+            f"{p.chat_speedup.text()} | {p.drafted_share:.1%} | "
             f"{p.break_even.text()} | {train} |"
         )
     best = max(points, key=lambda p: p.speedup.value)
@@ -197,24 +216,25 @@ def render(args, engine, points: list[Point], before: float, after: float, minut
             "",
             f"{cpu_model()} ({os.cpu_count()} cores), llama.cpp {engine.commit[:9]}, f32 target; `python -m "
             f"benchmarks.speedup_curve --workdir {args.workdir} --runs '{args.runs}' --per-category "
-            f"{args.per_category} --chat {args.chat} --tokens {args.tokens}{' --until-eos' * args.until_eos}` "
+            f"{args.per_category} --chat {args.chat} --tokens {args.tokens}{' --until-eos' * args.until_eos}"
+            f"{f' --plot {args.plot}' * (args.plot != PLOT)}` "
             f"({minutes:.0f} min). Prompts: MT-bench first turns ({args.per_category} per category) and {args.chat} "
-            f"of each run's held-out chat conversations, {length}, T = 0. The target alone ran "
+            f"of each run's held-out chat conversations, {reply_length(args)}, T = 0. The target alone ran "
             f"{before:.1f} tokens/s before the drafts and {after:.1f} after; each speed-up is paired by prompt with "
-            "the run before. Break-even: llama.cpp's synthetic acceptance for the draft's shape, in this launch.",
+            "the mean of the two. Break-even: llama.cpp's synthetic acceptance for the draft's shape, in this launch.",
             "",
             *rows,
             "",
             f"Best: `{best.run}`, accepted length {best.accepted:.2f}, speed-up {best.speedup.text()}, against a "
             f"break-even of {best.break_even.text()}.",
             "",
-            f"![served accepted length and speed-up against training]({PLOT.name})",
+            f"![served accepted length and speed-up against training]({args.plot.name})",
             "",
         ]
     )
 
 
-def plot(points: list[Point], path: Path = PLOT) -> None:
+def plot(points: list[Point], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -251,12 +271,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     serving_arguments(parser)
     parser.add_argument("--runs", required=True, help="run names to serve, a shell pattern (e.g. 'curve-*')")
-    parser.add_argument(
-        "--until-eos", action="store_true", help="stop each reply at its end-of-sequence token (default: decode all)"
-    )
+    parser.add_argument("--plot", type=Path, default=PLOT, help=f"the plot written (default: {PLOT.name} here)")
     args = parser.parse_args()
     section, points = measure(args)
-    plot(points)
+    plot(points, args.plot)
     with open(OUT, "a") as out:
         out.write(section + "\n")
     print(section)

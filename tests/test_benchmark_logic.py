@@ -67,20 +67,36 @@ def test_a_verdict_counts_only_from_the_fit_after_which_every_later_fit_agrees()
     assert standing_from([]) is None
 
 
+def completion(speed, accepted=(), drafted=0):
+    from harness.serving import Completion
+
+    return Completion(tokens=[0] * 10, accepted=list(accepted), tokens_per_s=speed, draft_n_accepted=drafted)
+
+
 def test_a_speedup_row_pools_prompts_by_category_and_counts_what_the_drafts_gave():
     """Two categories of two prompts: the draft runs 30 and 60 tokens/s where the target alone runs 60 (a ratio
     of sums: 0.75 overall); 3 accepted drafts over 4 cycles (accepted length 1.75); 3 of 40 tokens from drafts."""
     from benchmarks.speedup import row
-    from harness.serving import Completion
 
-    def done(speed, accepted=(), drafted=0):
-        return Completion(tokens=[0] * 10, accepted=list(accepted), tokens_per_s=speed, draft_n_accepted=drafted)
-
-    alone = {"math": [done(60), done(60)], "coding": [done(60), done(60)]}
-    served = {"math": [done(30, [1, 0], 1), done(30, [2], 2)], "coding": [done(60, [0]), done(60)]}
+    alone = {"math": [60.0, 60.0], "coding": [60.0, 60.0]}
+    served = {
+        "math": [completion(30, [1, 0], 1), completion(30, [2], 2)],
+        "coding": [completion(60, [0]), completion(60)],
+    }
     name, speedup, length, from_drafts, categories = row("`d`", served, alone)
     assert speedup.startswith("0.75 [") and length == "1.75" and from_drafts == "7.5%"
-    assert categories == "math 0.50 · coding 1.00"
+    assert categories == "math 0.500 [0.500, 0.500] · coding 1.000 [1.000, 1.000]"
+
+
+def test_the_target_alone_is_the_mean_of_its_passes_before_and_after_the_drafts():
+    """A machine that sped up from 60 to 80 tokens/s during the launch: each prompt's baseline is 70, so a draft
+    timed in between is not credited with the drift."""
+    from benchmarks.speedup import alone_speed, bracketed
+
+    before = {"math": [completion(60), completion(50)], "chat": [completion(40)]}
+    after = {"math": [completion(80), completion(70)], "chat": [completion(60)]}
+    assert bracketed(before, after) == {"math": [70.0, 60.0], "chat": [50.0]}
+    assert alone_speed(before) == 50.0 and alone_speed(after) == 70.0
 
 
 def test_the_speed_up_curve_tables_every_point_names_the_best_and_plots(tmp_path):
@@ -93,17 +109,21 @@ def test_the_speed_up_curve_tables_every_point_names_the_best_and_plots(tmp_path
     from harness.uncertainty import Estimate
 
     bar = BreakEven(60.0, (), 2.05, 1.95, 2.15)
+    chat = Estimate(1.10, 0.05, 1.02, 1.18, 8)
     points = [
         Point("c1000-b4", "dflash2", 4, 2, 1000, 80_000, 1500, None, 2.05, 1.62, Estimate(0.81, 0.03, 0.75, 0.87, 32),
-              0.31, 5.2, bar),
+              1.95, chat, 0.31, 5.2, bar),
         Point("c1000-b4-decay500", "dflash2", 4, 2, 1000, 80_000, 500, "c1000-b4", 1.87, 1.41,
-              Estimate(0.70, 0.03, 0.64, 0.76, 32), 0.22, None, bar),
+              Estimate(0.70, 0.03, 0.64, 0.76, 32), 1.70, chat, 0.22, None, bar),
     ]  # fmt: skip
-    args = argparse.Namespace(runs="c1000-*", workdir="work", per_category=3, chat=8, tokens=128, until_eos=True)
+    args = argparse.Namespace(
+        runs="c1000-*", workdir="work", per_category=3, chat=8, tokens=128, until_eos=True, plot=tmp_path / "c.png"
+    )
     engine = argparse.Namespace(commit="0c1e57098abc")
     text = render(args, engine, points, 60.0, 59.0, 12.0)
     assert "| `c1000-b4-decay500` (branch of `c1000-b4`) | dflash2 | 4 | 1000 (80,000) | 500 | 1.870 | 1.41 |" in text
-    assert "0.810 [0.750, 0.870]" in text and "| 2.05 [1.95, 2.15] | 5.2 |" in text and "| – |" in text
+    assert f"0.810 [0.750, 0.870] | 1.95, {chat.text()} |" in text
+    assert "| 2.05 [1.95, 2.15] | 5.2 |" in text and "| – |" in text and "--plot" in text and "(c.png)" in text
     assert "Best: `c1000-b4`, accepted length 1.62, speed-up 0.810 [0.750, 0.870], against a break-even of 2.05" in text
     assert "up to 128 new tokens or the end of the reply" in text and "--until-eos" in text
     plot(points, tmp_path / "curve.png")
