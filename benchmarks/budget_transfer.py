@@ -9,8 +9,9 @@ import platform
 from datetime import UTC, datetime
 from pathlib import Path
 
+from reports.analysis import analyse, at_budget, recorded_budgets, recorded_design
 from reports.collect import StudyRecord, collect
-from reports.designed import at_budget, effects_section, recorded_budgets, recorded_design, transfer_section
+from reports.designed import effects_section, transfer_section
 from reports.effects import ARM
 from reports.render import computed_in
 
@@ -57,8 +58,9 @@ def longer_points(record: StudyRecord) -> str:
 
 def markdown(record: StudyRecord, launch_wall: str, note: str) -> str:
     first = recorded_budgets(record)[0]
-    effects, _ = effects_section(record, f", at {first} steps")
-    transfer, _, labels = transfer_section(record)
+    analysis = analyse(record)
+    effects, _ = effects_section(analysis, f", at {first} steps")
+    transfer, _, labels = transfer_section(analysis)
     walls = ", ".join(f"{steps} steps: {minutes:.1f} min" for steps, minutes in wall_minutes(record).items())
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return "\n".join(

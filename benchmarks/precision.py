@@ -31,8 +31,9 @@ from benchmarks.time_to_verdict import launch
 from harness.devices import computes_in, cpu_has_native_bf16
 from harness.tracking import RunStatus
 from harness.uncertainty import Estimate, mean_estimate
+from reports.analysis import design_units, fit_recorded, recorded_design
 from reports.collect import StudyRecord, collect
-from reports.designed import design_units, fit_recorded, recorded_design, term_label
+from reports.designed import term_label
 from reports.effects import label
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -29,8 +29,8 @@ import yaml
 
 from harness import tracking
 from harness.devices import computes_in, cpu_has_native_bf16
+from reports.analysis import RecordedDesign, design_units, fit_recorded, recorded_design
 from reports.collect import collect
-from reports.designed import RecordedDesign, design_units, fit_recorded, recorded_design
 from reports.effects import RESOLVED
 
 ROOT = Path(__file__).resolve().parent.parent

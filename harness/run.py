@@ -42,6 +42,7 @@ VALIDATION_DOCUMENTS_FILE = "validation_documents.csv"  # per-document (sum, tot
 EVAL_RECORDS_FILE = "eval_records.json"
 SERVED_DIR = "served"  # GGUF files and server logs of `evaluate --engine` (the target's once per work directory)
 SERVED_RECORDS_FILE = "served_records.json"
+DRAFT_GGUF_FILE = "draft-f32.gguf"  # in a run's SERVED_DIR: its draft as served, also an MLflow artifact
 SERVING_LOCK_FILE = ".serving.lock"  # in a run's SERVED_DIR: held (flock) by the one process serving the run
 SERVERS_DIR = "servers"  # in the work directory's SERVED_DIR: one record per running llama-server
 EXPORT_DIR = "export"
@@ -383,9 +384,31 @@ class Run:
         run_tags = [RunTag(key, value) for key, value in (tags or {}).items()]
         client.log_batch(self.run_id, metrics=batches[-1], tags=run_tags)
 
+    def register_export(self, model_name: str) -> str:
+        """The run's logged export (`export/`) as a version of MLflow's registered model `model_name`, created
+        once: a run registered before (a relaunch) returns its version."""
+        from mlflow.exceptions import MlflowException
+
+        client = tracking.client(self.workdir)
+        try:
+            client.create_registered_model(model_name)
+        except MlflowException as error:
+            if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        for version in client.search_model_versions(f"name = '{model_name}'"):
+            if version.run_id == self.run_id:
+                return version.version
+        source = f"runs:/{self.run_id}/{EXPORT_DIR}"
+        return client.create_model_version(model_name, source, run_id=self.run_id).version
+
     def tags(self) -> dict[str, str]:
         """The run's MLflow tags as recorded now."""
         return tracking.client(self.workdir).get_run(self.run_id).data.tags
+
+    def metrics(self, prefix: str) -> dict[str, float]:
+        """The run's latest MLflow metrics under `prefix`, named without it."""
+        metrics = tracking.client(self.workdir).get_run(self.run_id).data.metrics
+        return {name.removeprefix(prefix): value for name, value in metrics.items() if name.startswith(prefix)}
 
     def record_without_training(
         self, tags: dict[str, str], params: dict, parent_run_id: str | None, status: RunStatus, reason: str

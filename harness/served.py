@@ -30,7 +30,7 @@ from harness.decode import speculative_generate, target_greedy
 from harness.evaluate import instruction_set, prompt_sets, temperature_tag
 from harness.export import NoPeerFormat, export_checkpoint, peer_format
 from harness.files import atomic_write
-from harness.run import SERVED_DIR, SERVED_RECORDS_FILE, SERVING_LOCK_FILE, Run, server_records
+from harness.run import DRAFT_GGUF_FILE, SERVED_DIR, SERVED_RECORDS_FILE, SERVING_LOCK_FILE, Run, server_records
 from harness.serving import ENGINE, Completion, Engine, EngineError, LlamaServer, file_lock, target_gguf, to_gguf
 from harness.targets import Target
 from harness.tracking import TAG_SERVED_REASON, TAG_SERVED_STATUS, RunStatus
@@ -76,7 +76,7 @@ def draft_gguf(engine: Engine, run: Run, draft: DFlashDraft, target: Target) -> 
     export = run.path(SERVED_DIR) / "export"
     if not (export / "config.json").is_file():
         export_checkpoint(draft, export, target.source)
-    return to_gguf(engine, export, run.path(SERVED_DIR) / "draft-f32.gguf", f"run {run.name}", Path(target.source))
+    return to_gguf(engine, export, run.path(SERVED_DIR) / DRAFT_GGUF_FILE, f"run {run.name}", Path(target.source))
 
 
 @dataclass
@@ -336,8 +336,8 @@ def served_metrics(served: Served, alone: Served, records: list[dict]) -> dict[s
 
 
 def log_served(run: Run, engine: Engine, metrics: dict[str, float], records: list[dict]) -> None:
-    """served/llama_cpp/* metrics, the per-request records, and the engine's commit and converter as tags, with
-    the serving's status `finished` in the same batch."""
+    """served/llama_cpp/* metrics, the per-request records and the GGUF draft that was served (artifacts), and the
+    engine's commit and converter as tags, with the serving's status `finished` in the same batch."""
     path = run.path(SERVED_RECORDS_FILE)
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(records, indent=1)))
     tags = {
@@ -345,4 +345,4 @@ def log_served(run: Run, engine: Engine, metrics: dict[str, float], records: lis
         tracking.TAG_GGUF_VERSION: engine.converter_version,
         **serving_tags(RunStatus.FINISHED),
     }
-    run.log_into_finished(metrics, tracking.SERVED_PREFIX, [path], tags=tags)
+    run.log_into_finished(metrics, tracking.SERVED_PREFIX, [path, run.path(SERVED_DIR) / DRAFT_GGUF_FILE], tags=tags)

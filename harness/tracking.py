@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mlflow
 
-from algorithms.metrics import ACCEPTED_LENGTHS, SE_SUFFIX
+from algorithms.metrics import ACCEPTED_LENGTHS, DRAFT_STEP_MS, REALIZED_ACCEPTED_LENGTH, SE_SUFFIX
 from harness.layout import ARTIFACTS, MLFLOW_STORE
 
 log = logging.getLogger(__name__)
@@ -31,6 +31,14 @@ CURVE_PREFIX = "curve/"
 SE_PREFIX = "se/"
 SERVED_PREFIX = "served/llama_cpp/"  # the run's draft served by llama.cpp, beside the harness's own numbers
 BEST_PREFIX, IMPORTANCE_PREFIX = "best/", "importance/"
+# A study's objectives and their directions, named as a trial run's columns are in reports. A served objective
+# is that served metric (SERVED_PREFIX + the value here) of each trial's run, served at the end of its training.
+SERVED_OBJECTIVES = {"served_speedup": "speedup", "served_tokens_per_s": "tokens_per_s_draft"}
+OBJECTIVES = {
+    REALIZED_ACCEPTED_LENGTH: "maximize",
+    DRAFT_STEP_MS: "minimize",
+    **dict.fromkeys(SERVED_OBJECTIVES, "maximize"),
+}
 # Param prefixes of a study's parent run.
 PINNED_PREFIX, STUDY_PREFIX = "pinned.", "study."
 
@@ -41,6 +49,7 @@ TAG_STATUS, TAG_STATUS_REASON = "dflash_lab.state", "dflash_lab.failure_reason"
 TAG_BASELINE, TAG_BEST_TRIAL, TAG_OBJECTIVES = "dflash_lab.baseline", "dflash_lab.best_trial", "dflash_lab.objectives"
 TAG_PARETO_FRONT = "dflash_lab.pareto_front"  # a multi-objective study's non-dominated trials: "trial 0, trial 3"
 TAG_BEST_RUN_ID, TAG_TRIALS_USED = "dflash_lab.best_run_id", "dflash_lab.trials_used"
+TAG_REGISTERED_MODEL = "dflash_lab.registered_model"  # the best run's export in the model registry: "NAME version N"
 TAG_DESIGN_POINT = "dflash_lab.design_point"  # a designed study's trial: its point as JSON
 TAG_WORLD_SIZE = "dflash_lab.world_size"  # data-parallel ranks of the latest (re)start
 TAG_COMPUTES_IN = "dflash_lab.computes_in"  # bf16 or fp32: what train.precision chose at the latest (re)start

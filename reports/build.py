@@ -5,9 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness import tracking
+from reports.analysis import analyse
 from reports.collect import collect
 from reports.designed import design_metrics, transfer_section
-from reports.render import headline, leaderboard_frame, render_comparison, render_with_summary, study_configurations
+from reports.render import headline, leaderboard_frame, render_comparison, render_with_summary
 
 LEADERBOARD_TABLE = "report/leaderboard.json"
 
@@ -23,24 +24,24 @@ def build_report(study: str, workdir: Path, out_root: Path | None = None) -> Pat
 
 
 def build_report_with_summary(study: str, workdir: Path, out_root: Path | None = None) -> tuple[Path, list[str]]:
-    """`build_report`, and the report's verdict lines (what a launch ends on)."""
-    record = collect(study, workdir)
+    """`build_report`, and the report's verdict lines (what a launch ends on): the markdown, the parent run's
+    table, note, design metrics and transfer tags all come from one analysis of the study."""
+    analysis = analyse(collect(study, workdir))
     out_dir = (out_root or report_root(workdir)) / study
     client = tracking.client(workdir)
-    parent = record.parent["run_id"]
+    parent = analysis.whole.parent["run_id"]
     markdown, summary = render_with_summary(
-        record, out_dir, lambda name, figure: client.log_figure(parent, figure, f"report/{name}")
+        analysis, out_dir, lambda name, figure: client.log_figure(parent, figure, f"report/{name}")
     )
     path = out_dir / "README.md"
     path.write_text(markdown)
     client.log_artifact(parent, str(path), artifact_path="report")
-    configs = study_configurations(record)
-    client.log_table(parent, leaderboard_frame(configs), LEADERBOARD_TABLE)
-    client.set_tag(parent, tracking.TAG_NOTE, headline(configs))
+    client.log_table(parent, leaderboard_frame(analysis.configs), LEADERBOARD_TABLE)
+    client.set_tag(parent, tracking.TAG_NOTE, headline(analysis.configs))
     logged = tracking.ChangedMetrics(client, parent)
-    for key, value in design_metrics(record).items():  # a rebuilt report adds no rows
+    for key, value in design_metrics(analysis).items():  # a rebuilt report adds no rows
         logged.log(key, value)
-    for key, value in transfer_section(record)[2].items():  # how each verdict carried to a longer budget
+    for key, value in transfer_section(analysis)[2].items():  # how each verdict carried to a longer budget
         client.set_tag(parent, tracking.transfer_tag(key), value)
     return path, summary
 

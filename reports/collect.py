@@ -38,7 +38,7 @@ SERVED = {
     "served_cycles": "cycles_compared",
     "served_flips": "lossless_flips_vs_engine",
     "served_flips_harness": "lossless_flips_vs_harness",
-    "served_speedup": "speedup",
+    **tracking.SERVED_OBJECTIVES,  # served_speedup, served_tokens_per_s: a served objective is its own column
     # the accepted length at which this draft's shape pays for itself on the serving machine (harness/break_even.py)
     "served_break_even": "break_even_accepted_length",
     "served_break_even_low": "break_even_accepted_length_low",

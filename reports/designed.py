@@ -1,114 +1,21 @@
-"""Report sections of a designed study (its fitted effects, cost and verdicts) and every study's learning curves.
-
-The design comes back from the parent run's `study.design` param, each run's point from its
-`dflash_lab.design_point` tag, each run's value and within-run standard error from its per-document pairs:
-the report is rebuilt from the tracking store alone.
-"""
+"""Report sections of a designed study (its fitted effects, cost, budget transfer and verdicts) and every study's
+learning curves, rendered from the study's analysis (reports/analysis.py), which fitted the design once."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
 
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH, se_name
-from harness import tracking
-from harness.design import FACTORIAL, TRANSFER_MEANINGS, Design, design_from_spec
-from harness.uncertainty import Estimate, mean_estimate, ratio_estimate, t_interval, unpaired_difference
-from harness.validation import SUBSET_ROWS, pairs
+from harness.design import FACTORIAL, TRANSFER_MEANINGS
+from harness.uncertainty import Estimate, mean_estimate, t_interval, unpaired_difference
+from harness.validation import SUBSET_ROWS
+from reports.analysis import RecordedDesign, StudyAnalysis, run_value
 from reports.collect import StudyRecord
-from reports.effects import ARM, Effect, Fit, Unit, fit_design, transfer_label
+from reports.effects import ARM, Effect, Fit, transfer_label
 
-MIN_RESIDUAL_DOF = 4  # `interactions: auto` fits the resolved 2FIs only while this many residual df remain
 LAST_PART = 1 / 3  # the learning-curve gain is measured over the last third of training
-
-
-@dataclass(frozen=True)
-class RecordedDesign:
-    """The design a study declared, as its parent run recorded it."""
-
-    design: Design
-    margin: float
-    interactions: str
-    reference: str
-    budgets: list[int]  # shortest first; [] where the store has no step budget
-    longer: Design  # the design the longer budgets ran (the same one unless a fraction of it)
-    transfer_measured: dict  # a one-budget design's transfer measured by another study: steps, source, labels
-
-
-def recorded_budgets(record: StudyRecord) -> list[int]:
-    """The study's step budgets as its parent run recorded them (stores from before `budgets:` have one)."""
-    params = record.parent["params"]
-    if params.get("study.budgets"):
-        return [int(b) for b in params["study.budgets"].split(",")]
-    steps = params.get("study.steps_per_trial", "")
-    return [int(steps)] if str(steps).isdigit() else []
-
-
-def at_budget(record: StudyRecord, steps: int) -> StudyRecord:
-    """The study's runs trained for `steps`."""
-    runs = record.runs if record.runs.empty else record.runs[record.runs["max_steps"] == steps]
-    return dataclasses.replace(record, runs=runs.reset_index(drop=True))
-
-
-def first_budget(record: StudyRecord) -> StudyRecord:
-    """What every section but the budget transfer reads: the runs at the study's first budget."""
-    budgets = recorded_budgets(record)
-    return at_budget(record, budgets[0]) if len(budgets) > 1 else record
-
-
-def recorded_design(record: StudyRecord) -> RecordedDesign | None:
-    params = record.parent["params"]
-    if "study.design" not in params:
-        return None
-    spec = json.loads(params["study.design"])
-    longer = json.loads(params.get("study.longer_design") or params["study.design"])
-    return RecordedDesign(
-        design_from_spec(spec),
-        float(params.get("study.design_margin", 0.05)),
-        params.get("study.design_interactions", "auto"),
-        params.get("study.design_reference", ""),
-        recorded_budgets(record),
-        design_from_spec(longer),
-        spec.get("transfer_measured") or {},
-    )
-
-
-def run_value(documents: pd.DataFrame, metric: str = REALIZED_ACCEPTED_LENGTH) -> Estimate:
-    return ratio_estimate(*pairs(documents, metric))
-
-
-def design_units(record: StudyRecord, recorded: RecordedDesign) -> list[Unit]:
-    """Every finished design run and reference-baseline run with its per-document pairs: one unit each."""
-    units = []
-    for _, row in record.runs.iterrows():
-        if row["status"] != "finished" or row["run_id"] not in record.documents:
-            continue
-        if row["role"] == tracking.ROLE_TRIAL and row["design_point"]:
-            point = json.loads(row["design_point"])
-        elif row["role"] == tracking.ROLE_BASELINE and recorded.reference and row["baseline"] == recorded.reference:
-            point = None
-        else:
-            continue
-        estimate = run_value(record.documents[row["run_id"]])
-        units.append(Unit(point, estimate.value, estimate.se, row["run_name"]))
-    return units
-
-
-def fit_recorded(recorded: RecordedDesign, units: list[Unit]) -> tuple[Fit, bool]:
-    """The fit, with the resolved two-factor interactions when asked for (or, on `auto`, when enough residual
-    degrees of freedom remain); returns whether they were fitted."""
-    wanted = recorded.interactions in (True, "True", "true")
-    if recorded.interactions == "auto":
-        fitted = fit_design(recorded.design, units, recorded.margin, interactions=True)
-        wanted = bool(recorded.design.terms(True)[len(recorded.design.factors) :]) and (
-            fitted.residual_dof >= MIN_RESIDUAL_DOF
-        )
-    return fit_design(recorded.design, units, recorded.margin, interactions=wanted), wanted
 
 
 def term_label(term: str, reference: str) -> str:
@@ -118,17 +25,16 @@ def term_label(term: str, reference: str) -> str:
 
 
 def effects_section(
-    record: StudyRecord, improving: str, carried: dict[str, str] | None = None
+    analysis: StudyAnalysis, improving: str, carried: dict[str, str] | None = None
 ) -> tuple[str | None, list[str]]:
     """The designed-effects section and its verdict lines (None for a study without a design), at the first
     budget; `carried` adds to a term's verdict line how it carried to the longer budgets."""
-    recorded = recorded_design(record)
-    if recorded is None:
+    if analysis.design is None:
         return None, []
-    record = first_budget(record)
-    units = design_units(record, recorded)
+    recorded, first = analysis.design.recorded, analysis.design.first
+    fit, with_interactions = first.fit, first.with_interactions
     design = recorded.design
-    params = record.parent["params"]
+    params = analysis.whole.parent["params"]
     reference_seeds = (
         f"; the reference arm `{recorded.reference}` at seeds {params['study.reference_seeds']}"
         if recorded.reference and params.get("study.reference_seeds")
@@ -139,11 +45,9 @@ def effects_section(
         f"**Design:** {design.describe()}, seeds {params.get('study.seeds')}{reference_seeds}.",
     ]
     parts.append("Alias structure:\n\n" + "\n".join(f"- {line}" for line in design.alias_lines()))
-    fit, with_interactions = fit_recorded(recorded, units)
-    wall = record.runs.loc[record.runs["run_name"].isin([u.name for u in units]), "wall_s"].sum()
     cost = (
-        f"**Cost:** {len(units)} runs ({wall / 60:.1f} min of run wall time), {fit.residual_dof} residual "
-        f"degrees of freedom."
+        f"**Cost:** {len(first.units)} runs ({first.wall_s / 60:.1f} min of run wall time), {fit.residual_dof} "
+        "residual degrees of freedom."
     )
     parts.append(cost)
     if not fit.effects:
@@ -322,32 +226,26 @@ def curve_figure(record: StudyRecord):
     return fig
 
 
-def design_metrics(record: StudyRecord) -> dict[str, float]:
+def design_metrics(analysis: StudyAnalysis) -> dict[str, float]:
     """What a design cost and resolved, for the parent run: runs, wall time, residual degrees of freedom."""
-    recorded = recorded_design(record)
-    if recorded is None:
+    if analysis.design is None:
         return {}
-    record = first_budget(record)
-    units = design_units(record, recorded)
-    fit, _ = fit_recorded(recorded, units)
-    wall = record.runs.loc[record.runs["run_name"].isin([u.name for u in units]), "wall_s"]
+    first = analysis.design.first
     return {
-        "design/runs": float(len(units)),
-        "design/run_wall_s": float(np.nansum(wall)),
-        "design/residual_dof": float(fit.residual_dof),
-        "design/resolved_effects": float(sum(e.label == "resolved" for e in fit.effects)),
+        "design/runs": float(len(first.units)),
+        "design/run_wall_s": first.wall_s,
+        "design/residual_dof": float(first.fit.residual_dof),
+        "design/resolved_effects": float(sum(e.label == "resolved" for e in first.fit.effects)),
     }
 
 
-def transfer_section(record: StudyRecord) -> tuple[str | None, dict[str, str], dict[str, str]]:
+def transfer_section(analysis: StudyAnalysis) -> tuple[str | None, dict[str, str], dict[str, str]]:
     """How each effect carried from the first budget to each longer one. Returns the section (None with one
     budget), each term's verdict-line suffix, and the labels for the parent run's tags (`steps/term` -> label)."""
-    recorded = recorded_design(record)
-    if recorded is None or len(recorded.budgets) < 2:
+    if analysis.design is None or not analysis.design.longer:
         return None, {}, {}
+    recorded, short_fit = analysis.design.recorded, analysis.design.first.fit
     first, *longer = recorded.budgets
-    short_fit, _ = fit_recorded(recorded, design_units(at_budget(record, first), recorded))
-    long_recorded = dataclasses.replace(recorded, design=recorded.longer)
     parts = [
         "## Budget transfer",
         "The same question asked again at a longer budget: every run trained from the start for "
@@ -358,8 +256,8 @@ def transfer_section(record: StudyRecord) -> tuple[str | None, dict[str, str], d
     ]
     suffixes: dict[str, str] = {}
     labels: dict[str, str] = {}
-    for steps in longer:
-        long_fit, _ = fit_recorded(long_recorded, design_units(at_budget(record, steps), long_recorded))
+    for at_longer in analysis.design.longer:
+        steps, long_fit = at_longer.steps, at_longer.fit
         parts.append(f"### {first} → {steps} steps")
         parts.append(longer_design_text(recorded, steps))
         if not short_fit.effects or not long_fit.effects:

@@ -32,18 +32,11 @@ from harness.break_even import interval_text
 from harness.tracking import RunStatus
 from harness.uncertainty import Estimate, mean_estimate, unpaired_difference
 from harness.validation import per_position_rows, pooled_counts
+from reports.analysis import StudyAnalysis, analyse, recorded_budgets, study_configurations
 from reports.collect import OTHER_KNOBS, TUNED_KNOBS, StudyRecord
-from reports.designed import (
-    curve_figure,
-    curves_section,
-    effects_section,
-    first_budget,
-    recorded_budgets,
-    transfer_section,
-)
+from reports.designed import curve_figure, curves_section, effects_section, transfer_section
 from reports.estimates import (
     Configuration,
-    configurations,
     difference,
     estimate,
     mean_of_estimates,
@@ -93,12 +86,6 @@ def verdict(effect: Estimate, signed: bool = True) -> str:
     if effect.identical:
         return f"{effect.text(signed)}: {IDENTICAL}"
     return effect.text(signed) + ("" if effect.excludes_zero else f": {NOISE}")
-
-
-def study_configurations(record: StudyRecord) -> list[Configuration]:
-    """Finished trials and baselines, best realized first."""
-    found = configurations(record.runs, record.documents)
-    return sorted(found, key=lambda c: (-estimate(c, REALIZED_ACCEPTED_LENGTH).value, c.key))
 
 
 def computed_in(runs: pd.DataFrame) -> str:
@@ -254,29 +241,37 @@ def served_regime(record: StudyRecord) -> str:
 
 
 def pareto_section(record: StudyRecord, configs: list[Configuration]) -> str | None:
-    """A two-objective study (accepted length against the draft's step time): the trials no other trial beats on
-    both, each with its values; None for a one-objective study."""
-    if record.parent["params"].get("study.objectives", "").split(",") != [REALIZED_ACCEPTED_LENGTH, DRAFT_STEP_MS]:
+    """A two-objective study (e.g. accepted length or the served speed-up against the draft's step time): the
+    trials no other trial beats on both, each with its values; None for a one-objective study."""
+    objectives = record.parent["params"].get("study.objectives", "").split(",")
+    if len(objectives) != 2 or any(o not in tracking.OBJECTIVES for o in objectives):
         return None
+    sign = [1.0 if tracking.OBJECTIVES[o] == "maximize" else -1.0 for o in objectives]  # larger is better after it
     trials = [
-        (c, float(c.runs[REALIZED_ACCEPTED_LENGTH].mean()), float(c.runs[DRAFT_STEP_MS].mean()))
+        (c, [float(c.runs[o].mean()) for o in objectives])
         for c in configs
-        if c.first["role"] == tracking.ROLE_TRIAL and c.runs[DRAFT_STEP_MS].notna().any()
+        if c.first["role"] == tracking.ROLE_TRIAL and all(c.runs[o].notna().any() for o in objectives)
     ]
-    front = [
-        (c, realized, ms)
-        for c, realized, ms in trials
-        if not any(r >= realized and m <= ms and (r > realized or m < ms) for _, r, m in trials)
-    ]
-    front.sort(key=lambda item: item[2])
-    knobs = knobs_that_differ(knob_columns(configs), [c for c, _, _ in trials])  # the swept ones
-    rows = [[c.label, *[fmt_value(c.first[k]) for k in knobs], f"{r:.3f}", f"{ms:.2f}"] for c, r, ms in front]
-    note = (
-        f"The trials no other trial beats on both objectives (a longer realized accepted length and a shorter draft "
-        f"step), fastest first: {len(front)} of {len(trials)} completed trials. Each value is the mean over the "
-        "trial's seeds; a point's own interval is in the leaderboard."
+
+    def beats(one: list[float], other: list[float]) -> bool:
+        better = [s * a - s * b for s, a, b in zip(sign, one, other, strict=True)]
+        return min(better) >= 0 and max(better) > 0
+
+    front = sorted(
+        ((c, values) for c, values in trials if not any(beats(other, values) for _, other in trials)),
+        key=lambda item: -sign[1] * item[1][1],  # best on the second objective first
     )
-    return "## Pareto front\n\n" + note + "\n\n" + table(["trial", *knobs, "realized", "draft step ms"], rows)
+    knobs = knobs_that_differ(knob_columns(configs), [c for c, _ in trials])  # the swept ones
+    rows = [[c.label, *[fmt_value(c.first[k]) for k in knobs], *[f"{v:.3f}" for v in values]] for c, values in front]
+    wanted = " and ".join(
+        f"{o} ({'higher' if s > 0 else 'lower'} is better)" for o, s in zip(objectives, sign, strict=True)
+    )
+    note = (
+        f"The trials no other trial beats on both objectives, {wanted}, best on the second first: {len(front)} of "
+        f"{len(trials)} completed trials. Each value is the mean over the trial's seeds; a point's own interval is "
+        "in the leaderboard."
+    )
+    return "## Pareto front\n\n" + note + "\n\n" + table(["trial", *knobs, *objectives], rows)
 
 
 def leaderboard(configs: list[Configuration]) -> str:
@@ -873,18 +868,17 @@ MAX_SUMMARY_LINES = 6  # the verdict lines a launch ends on
 
 def render(record: StudyRecord, out_dir: Path, on_figure: FigureHook | None = None) -> str:
     """The report's markdown; its figures are written beside it (and handed to `on_figure` before closing)."""
-    return render_with_summary(record, out_dir, on_figure)[0]
+    return render_with_summary(analyse(record), out_dir, on_figure)[0]
 
 
 def render_with_summary(
-    record: StudyRecord, out_dir: Path, on_figure: FigureHook | None = None
+    analysis: StudyAnalysis, out_dir: Path, on_figure: FigureHook | None = None
 ) -> tuple[str, list[str]]:
     """The report's markdown and the verdict lines a launch ends on: a design's effects, else the first of the
-    report's verdicts (each with its interval and label)."""
+    report's verdicts (each with its interval and label). Every section renders what `analysis` found."""
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
-    whole, record = record, first_budget(record)  # every section but the budget transfer: the first budget
-    configs = study_configurations(record)
+    whole, record, configs = analysis.whole, analysis.record, analysis.configs
     written = set()
     for name, build in FIGURES.items():
         figure = build(record, configs)
@@ -897,8 +891,8 @@ def render_with_summary(
         written.add(name)
     trials = sum(1 for c in configs if c.first["role"] == tracking.ROLE_TRIAL)
     curves, budget = curves_section(record, "learning_curves.png" if "learning_curves.png" in written else None)
-    transfer, carried, _ = transfer_section(whole)
-    designed, designed_lines = effects_section(record, budget, carried)
+    transfer, carried, _ = transfer_section(analysis)
+    designed, designed_lines = effects_section(analysis, budget, carried)
     if designed is None:
         effects, resolved = knob_effects(
             configs, search_kinds(record), "knob_effects.png" if "knob_effects.png" in written else None

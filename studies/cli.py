@@ -17,6 +17,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
     except (FileNotFoundError, StudyDefinitionError) as error:
         raise SystemExit(f"error: {error}") from None
     args.n_jobs = resolve_n_jobs(args.n_jobs, args.device)
+    if definition.served_objectives and args.n_jobs > 1:
+        raise SystemExit(
+            f"error: invalid --n-jobs={args.n_jobs} for study {definition.name}: its objective "
+            f"{definition.objectives} times decoding, which a trial training beside it would slow; allowed 1"
+        )
     devices = parse_devices(args.devices, args.n_jobs) if args.devices else None
     summary = launch(
         definition,

@@ -32,7 +32,7 @@ from harness.run import Run
 from harness.tracking import RunStatus
 from harness.train import Workspace, prepare_workspace, restore_draft, train, with_target_defaults
 from studies.claims import Claims, ClaimState
-from studies.schema import DESIGN_SAMPLER, PUBLISHED_SUFFIX, StudyDefinition, StudyDefinitionError
+from studies.schema import DESIGN_SAMPLER, PUBLISHED_SUFFIX, SERVED_OBJECTIVES, StudyDefinition, StudyDefinitionError
 from studies.storage import (
     ATTR_DEFINITION,
     ATTR_DESIGN_POINT,
@@ -81,7 +81,7 @@ def make_sampler(definition: StudyDefinition, trials_so_far: int = 0) -> optuna.
 
 
 def make_pruner(definition: StudyDefinition) -> optuna.pruners.BasePruner:
-    if definition.pruner == "none" or len(definition.objectives) > 1:  # Optuna cannot prune multi-objective trials
+    if not definition.prunes:
         return optuna.pruners.NopPruner()
     if definition.pruner == "hyperband":
         return optuna.pruners.HyperbandPruner(
@@ -271,7 +271,7 @@ class StudyRunner:
             experiment=tracking.experiment_name(self.definition.name),
             system_metrics=self.system_metrics,
         )
-        prunes = len(self.definition.objectives) == 1
+        prunes = self.definition.prunes
         if self.definition.nproc_per_node > 1:
             link = None if trial is None else TrialLink.of(trial, self.storage_url, self.definition.pruner, prunes)
             job = RunJob(config.to_dict(), str(self.workdir), self.device, options, link)
@@ -384,7 +384,9 @@ class StudyRunner:
             trial.set_user_attr(ATTR_FAIL_REASON, f"interrupted: {stop or type(stop).__name__}")
             requeue_interrupted(self.study, self.study._storage.get_trial(trial._trial_id))
             raise
-        per_seed = [[r.validation[o] for o in self.definition.objectives] for r in results]
+        per_seed = [
+            self._objective_values(trial, seed, r) for seed, r in zip(self.definition.seeds, results, strict=True)
+        ]
         trial.set_user_attr(ATTR_SEED_VALUES, per_seed)
         values = [sum(column) / len(column) for column in zip(*per_seed, strict=True)]  # the mean over seeds
         # A seed's run that had finished before an interruption comes back from its checkpoint's history, whose
@@ -427,6 +429,31 @@ class StudyRunner:
         if first:
             trial.set_user_attr(ATTR_RUN_ID, result.run_id)
         return result
+
+    def _objective_values(self, trial: optuna.Trial, seed: int, result) -> list[float]:
+        """One seed's objective values: validation metrics of its run, or, for a served objective, the run served
+        now by the study's engine on its prompts (once: a run served before a kill is read back)."""
+        served = self._served_metrics(self.trial_run(trial.user_attrs.get(ATTR_ORIGIN, trial.number), seed))
+        return [
+            served[SERVED_OBJECTIVES[o]] if o in SERVED_OBJECTIVES else result.validation[o]
+            for o in self.definition.objectives
+        ]
+
+    def _served_metrics(self, name: str) -> dict[str, float]:
+        """The run's served/* metrics (empty when no objective is served), serving it first if it never was."""
+        if not self.definition.served_objectives:
+            return {}
+        from harness.served import serve_run, served_status
+        from harness.serving import find_engine
+
+        run = Run(self.workdir, name, tracking.experiment_name(self.definition.name))
+        state = run.load_checkpoint()  # and the run's MLflow id with it
+        if served_status(run) is RunStatus.FINISHED:
+            return run.metrics(tracking.SERVED_PREFIX)
+        draft = restore_draft(state, self.workspace.target, self.device)
+        print(f"[serve] {name}: served for the objective {self.definition.objectives}", flush=True)
+        evaluation, documents = self.definition.evaluation, self.workspace.data.validation
+        return serve_run(find_engine(), run, self.workspace.target, draft, documents, evaluation)
 
     def _await_trunk(self, trial: optuna.Trial, params: dict) -> int:
         """The trial whose runs a branch trial anneals (its point at the longest budget; a retry's runs carry the
@@ -589,6 +616,16 @@ class StudyRunner:
                 )
             self.study.set_user_attr(ATTR_SERVED, [*self.study.user_attrs.get(ATTR_SERVED, []), name])
 
+    def register(self, best: optuna.trial.FrozenTrial) -> str:
+        """The best trial's first-seed run's export as a version of the study's registered model (`evaluate.register`),
+        named on the parent run."""
+        name = self.trial_run(best.user_attrs.get(ATTR_ORIGIN, best.number), self.definition.seeds[0])
+        run = Run(self.workdir, name, tracking.experiment_name(self.definition.name))
+        run.load_checkpoint()  # and the run's MLflow id with it
+        registered = f"{self.definition.register} version {run.register_export(self.definition.register)}"
+        tracking.client(self.workdir).set_tag(self.parent_run_id, tracking.TAG_REGISTERED_MODEL, registered)
+        return registered
+
     def finalize(self) -> dict:
         """Best values and importances on the parent run; returns the summary printed to the user."""
         summary: dict = {"study": self.definition.name, "trials": {}}
@@ -619,6 +656,8 @@ class StudyRunner:
                     tracking.TAG_NOTE,
                     f"best: trial {best.number}, {objective} {best.value:.3f} (seeds {self.definition.seeds})",
                 )
+                if self.definition.register is not None:
+                    summary["registered"] = self.register(best)
             else:
                 summary["pareto_front"] = [
                     {"trial": t.number, "values": t.values, "params": t.params} for t in self.study.best_trials

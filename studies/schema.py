@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from algorithms import ALGORITHMS, SharedKnobs, algorithm_entry
 from algorithms.knobs import knob_names
-from algorithms.metrics import DRAFT_STEP_MS, REALIZED_ACCEPTED_LENGTH
+from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
 from algorithms.registry import COMPONENT_FACTORS, MEMBER_FACTOR, with_design_point
 from harness.config import EvalConfig, RunConfig, TrainConfig, parse_yaml
 from harness.design import (
@@ -23,9 +23,8 @@ from harness.design import (
     design_from_spec,
     longer_budget_spec,
 )
-from harness.tracking import BUDGETS_AS_BRANCHES, BUDGETS_FROM_SCRATCH
+from harness.tracking import BUDGETS_AS_BRANCHES, BUDGETS_FROM_SCRATCH, OBJECTIVES, SERVED_OBJECTIVES
 
-OBJECTIVES = {REALIZED_ACCEPTED_LENGTH: "maximize", DRAFT_STEP_MS: "minimize"}
 DESIGN_SAMPLER = "design"  # a designed study's trials are its enqueued points, never sampled
 # A baseline runs a registered algorithm with the study's pinned shared knobs. `NAME` takes the base's
 # algorithm knobs where NAME has them (a component ablation); `NAME_defaults` takes NAME's published ones.
@@ -87,6 +86,7 @@ class StudyDefinition:
     source_text: str = ""
     evaluate_best: int = 0  # opt-in: measured acceptance by real speculative decoding for the N best trials
     serve: str | None = None  # opt-in: the engine that serves the best run and the reference arm at the end
+    register: str | None = None  # opt-in: the registered model the best run's export becomes a version of
     evaluation: EvalConfig = field(default_factory=EvalConfig)
     # How each run is launched, not what it trains: >1 makes every trial and baseline a torchrun job.
     nproc_per_node: int = 1
@@ -99,6 +99,17 @@ class StudyDefinition:
     def branches(self) -> bool:
         """Each shorter budget's run is a WSD branch of the longest budget's run of the same point and seed."""
         return self.budgets_by == BUDGETS_AS_BRANCHES
+
+    @property
+    def prunes(self) -> bool:
+        """Trials report the realized accepted length at each validation; a pruner acts on it only when it is the
+        study's one objective (Optuna cannot prune multi-objective trials, and a served objective exists only
+        once a run has finished)."""
+        return self.pruner != "none" and self.objectives == [REALIZED_ACCEPTED_LENGTH]
+
+    @property
+    def served_objectives(self) -> bool:
+        return any(o in SERVED_OBJECTIVES for o in self.objectives)
 
     @property
     def directions(self) -> list[str]:
@@ -186,6 +197,17 @@ class EvaluateSection(Section):
         ge=0,
         le=1,
         description="a confidence head's scheduled verification cut (0: verify the whole block)",
+    )
+    prompts: str | None = Field(
+        None,
+        description='a JSONL file of {"prompt": "..."} decoded in place of MT-bench (its first num_prompts), '
+        "by evaluation and serving",
+    )
+    register: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+        description="at the end, register the best run's export (export/ artifacts) as a version of this model "
+        "in MLflow's model registry (one objective only)",
     )
     serve: Literal["llama.cpp"] | None = Field(
         None,
@@ -388,6 +410,20 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
     objectives = file.objective if isinstance(file.objective, list) else [file.objective]
     if not objectives or any(o not in OBJECTIVES for o in objectives) or len(set(objectives)) != len(objectives):
         raise _fail(path, "objective", file.objective, f"one or a list of distinct {sorted(OBJECTIVES)}")
+    if file.evaluate.register is not None and len(objectives) > 1:
+        raise _fail(
+            path,
+            "evaluate.register",
+            file.evaluate.register,
+            "a model name with one objective (a Pareto study has no single best run)",
+        )
+    if any(o in SERVED_OBJECTIVES for o in objectives) and file.evaluate.serve is None:
+        raise _fail(
+            path,
+            "objective",
+            file.objective,
+            "a served objective with evaluate.serve: llama.cpp (the engine it is served in)",
+        )
     budget = file.budget
     steps = budget.steps_per_trial if budget.steps_per_trial is not None else run.train.max_steps
     budgets = _budgets(path, file, steps, design, run.train)
@@ -423,11 +459,13 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
         description=file.description,
         evaluate_best=evaluate.best_trials,
         serve=evaluate.serve,
+        register=evaluate.register,
         evaluation=EvalConfig(
             num_prompts=evaluate.num_prompts,
             max_new_tokens=evaluate.max_new_tokens,
             temperatures=tuple(float(t) for t in evaluate.temperatures),
             confidence_threshold=evaluate.confidence_threshold,
+            prompts=evaluate.prompts,
         ),
         nproc_per_node=nproc_per_node,
         design=design,

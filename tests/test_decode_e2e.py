@@ -214,7 +214,7 @@ def test_llama_cpp_serves_the_run_and_agrees_with_the_harness_cycle_by_cycle(
     what the harness's decoder accepts, unless a counted near-tie of the target explains it; the lossless counts
     match the records; the GGUF carries the draft's shape."""
     from harness.config import EvalConfig
-    from harness.run import SERVED_DIR, Run
+    from harness.run import DRAFT_GGUF_FILE, SERVED_DIR, Run
     from harness.served import log_served, serve_and_compare
     from harness.serving import find_engine
 
@@ -257,13 +257,18 @@ def test_llama_cpp_serves_the_run_and_agrees_with_the_harness_cycle_by_cycle(
     logged = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir)).get_run(run.run_id).data
     assert logged.metrics["served/llama_cpp/agreement_cycle_fraction"] == metrics["agreement_cycle_fraction"]
     assert logged.tags[tracking.TAG_ENGINE_COMMIT] == engine.commit
+    artifacts = {
+        a.path: a.file_size for a in mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir)).list_artifacts(run.run_id)
+    }
+    served_draft = run.path(SERVED_DIR) / DRAFT_GGUF_FILE
+    assert artifacts[DRAFT_GGUF_FILE] == served_draft.stat().st_size  # the draft as served, where users look
 
     sys.path.insert(0, str(engine.gguf_py))  # the tree's own reader of what its converter wrote
     try:
         from gguf import GGUFReader
     finally:
         sys.path.pop(0)
-    fields = GGUFReader(run.path(SERVED_DIR) / "draft-f32.gguf").fields
+    fields = GGUFReader(served_draft).fields
     value = lambda key: fields[key].contents()  # noqa: E731
     assert value("general.architecture") == "dflash"
     assert value("dflash.block_size") == draft.block_size

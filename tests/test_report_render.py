@@ -17,9 +17,10 @@ from algorithms.metrics import (
     unary_position_acc_name,
 )
 from harness.validation import ANCHORS_COLUMN, DOCUMENT_COLUMN, SUM_SUFFIX, TOTAL_SUFFIX
+from reports.analysis import study_configurations
 from reports.collect import TUNED_KNOBS, StudyRecord
 from reports.estimates import configurations, difference
-from reports.render import NOISE, component_ablation, render, study_configurations
+from reports.render import NOISE, component_ablation, render
 
 DOCUMENTS = 24
 ANCHORS = np.random.default_rng(99).integers(20, 80, size=DOCUMENTS)
@@ -313,14 +314,15 @@ def test_the_report_states_where_served_runs_stand_against_their_break_even():
 
 def test_a_two_objective_study_reports_the_trials_no_other_beats_on_both():
     """(realized, draft ms): trial 2 is beaten by trial 0 on both, so the front is trials 0 and 1, fastest first,
-    with the swept knob beside their values; a one-objective study has no such section."""
+    with the swept knob beside their values; (served speed-up, draft ms) has its own front; a one-objective study
+    has no such section."""
     from types import SimpleNamespace
 
     from reports.collect import OTHER_KNOBS
     from reports.estimates import Configuration
     from reports.render import pareto_section
 
-    def trial(number, rank, realized, ms):
+    def trial(number, rank, realized, ms, speedup=float("nan")):
         row = {k: "" for k in (*TUNED_KNOBS, *OTHER_KNOBS)}
         row.update(
             {
@@ -329,16 +331,24 @@ def test_a_two_objective_study_reports_the_trials_no_other_beats_on_both():
                 "selector_rank": rank,
                 REALIZED_ACCEPTED_LENGTH: realized,
                 "draft_step_ms": ms,
+                "served_speedup": speedup,
             }
         )
         return Configuration(str(number), f"trial {number}", pd.DataFrame([row]), {"0": pd.DataFrame()})
 
-    configs = [trial(0, "64", 1.30, 2.0), trial(1, "16", 1.20, 1.5), trial(2, "128", 1.25, 2.5)]
+    configs = [trial(0, "64", 1.30, 2.0, 0.9), trial(1, "16", 1.20, 1.5, 1.1), trial(2, "128", 1.25, 2.5, 0.95)]
     record = SimpleNamespace(parent={"params": {"study.objectives": "realized_accepted_length,draft_step_ms"}})
     section = pareto_section(record, configs)
     assert "2 of 3 completed trials" in section
     rows = [line for line in section.splitlines() if re.match(r"\| trial \d", line)]
-    assert rows == ["| trial 1 | 16 | 1.200 | 1.50 |", "| trial 0 | 64 | 1.300 | 2.00 |"]
-    assert "| trial | selector_rank | realized | draft step ms |" in section
+    assert rows == ["| trial 1 | 16 | 1.200 | 1.500 |", "| trial 0 | 64 | 1.300 | 2.000 |"]
+    assert "| trial | selector_rank | realized_accepted_length | draft_step_ms |" in section
+    # served speed-up against the step time: trial 1 is the fastest drafter and decodes fastest, so it alone stands
+    record.parent["params"]["study.objectives"] = "served_speedup,draft_step_ms"
+    section = pareto_section(record, configs)
+    assert "1 of 3 completed trials" in section and "served_speedup (higher is better)" in section
+    assert [line for line in section.splitlines() if re.match(r"\| trial \d", line)] == [
+        "| trial 1 | 16 | 1.100 | 1.500 |"
+    ]
     record.parent["params"]["study.objectives"] = "realized_accepted_length"
     assert pareto_section(record, configs) is None

@@ -55,6 +55,11 @@ DELETE = object()
         ("sampler.sede", 1, "invalid field sampler.sede=1: allowed keys ['type', 'seed']"),
         ("pruner.warmup", 1, "invalid field pruner.warmup=1: allowed keys ['type', 'warmup_steps']"),
         ("objective", "speed", "invalid field objective='speed': allowed one or a list of distinct"),
+        (
+            "objective",
+            "served_speedup",
+            "invalid field objective='served_speedup': allowed a served objective with evaluate.serve: llama.cpp",
+        ),
         ("budget.n_trails", 3, "invalid field budget.n_trails=3: allowed keys ['n_trials', 'timeout_s'"),
         ("budget.n_trials", -1, "invalid field budget.n_trials=-1: allowed greater than or equal to 0"),
         ("budget.n_trials", True, "invalid field budget.n_trials=True: allowed a valid integer"),
@@ -69,6 +74,7 @@ DELETE = object()
         ("evaluate", {"temperatures": [-1]}, "invalid field evaluate.temperatures.0=-1: allowed greater than or equal"),
         ("evaluate", {"temperatures": []}, "invalid field evaluate.temperatures=[]: allowed"),
         ("evaluate", {"confidence_threshold": 2}, "invalid field evaluate.confidence_threshold=2: allowed less than"),
+        ("evaluate", {"register": "a b"}, "invalid field evaluate.register='a b': allowed string should match pattern"),
     ],
 )
 def test_every_error_is_one_line_naming_field_value_and_what_is_allowed(field, value, message):
@@ -77,6 +83,33 @@ def test_every_error_is_one_line_naming_field_value_and_what_is_allowed(field, v
     text = str(error.value)
     assert text.startswith("search.yaml: ") and "\n" not in text
     assert message in text, text
+
+
+@pytest.mark.parametrize(
+    ("objective", "directions", "prunes"),
+    [
+        ("realized_accepted_length", ["maximize"], True),
+        ("served_speedup", ["maximize"], False),  # exists once the run has finished: nothing to prune on
+        (["served_tokens_per_s", "draft_step_ms"], ["maximize", "minimize"], False),
+        ("draft_step_ms", ["minimize"], False),  # the validations report accepted length, not this
+    ],
+)
+def test_served_and_cost_objectives_have_their_directions_and_only_the_realized_length_prunes(
+    objective, directions, prunes
+):
+    data = _set(_set(SEARCH, "objective", objective), "evaluate", {"serve": "llama.cpp"})
+    definition = parse_study(data, "search.yaml")
+    assert definition.directions == directions and definition.prunes is prunes
+    assert definition.served_objectives is ("served" in str(objective))
+
+
+def test_a_pareto_study_has_no_best_run_to_register():
+    data = _set(_set(SEARCH, "objective", ["realized_accepted_length", "draft_step_ms"]), "evaluate", {"register": "m"})
+    with pytest.raises(
+        StudyDefinitionError, match=r"invalid field evaluate.register='m': allowed a model name with one"
+    ):
+        parse_study(data, "search.yaml")
+    assert parse_study(_set(SEARCH, "evaluate", {"register": "m"}), "search.yaml").register == "m"
 
 
 def test_a_grid_over_a_float_range_is_refused():

@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from unittest import mock
 
 import mlflow
 import optuna
@@ -17,9 +18,11 @@ import pandas as pd
 import pytest
 from scipy import stats
 
+import reports.analysis
 from harness import tracking
 from harness.design import TRANSFER_MEANINGS
 from harness.devices import computes_in
+from reports.build import build_report_with_summary
 from reports.render import GENERATED_PREFIX
 from studies.storage import ATTR_INFEASIBLE, ATTR_RUN_ID, ATTR_WORKER, storage_url
 
@@ -176,6 +179,16 @@ def test_the_mlflow_ui_columns_read_well(launched, e2e_workdir, tmp_path):
     assert {"report/accepted_lengths.png", "report/leaderboard.json"} <= {
         a.path for a in client.list_artifacts(parent.info.run_id, "report")
     }
+    # evaluate.register: the best run's export is a version of the registered model, made once
+    name, _, version = tags[tracking.TAG_REGISTERED_MODEL].partition(" version ")
+    registered = client.get_model_version(name, version)
+    assert name == "tiny-drafter" and registered.run_id == tags[tracking.TAG_BEST_RUN_ID]
+    assert registered.source == f"runs:/{registered.run_id}/export"
+    assert {"export/config.json", "export/model.safetensors"} <= {
+        a.path for a in client.list_artifacts(registered.run_id, "export")
+    }
+    versions = client.search_model_versions("name = 'tiny-drafter'")
+    assert [v.version for v in versions if v.run_id == registered.run_id] == [version]
 
 
 def test_report_numbers_equal_mlflow_and_regenerate_identically(launched, e2e_workdir):
@@ -744,6 +757,47 @@ def test_sigterm_in_a_studys_serving_step_stops_the_server_and_a_relaunch_serves
     assert len(client.get_metric_history(run.info.run_id, metric)) == 1
 
 
+def test_a_study_served_for_its_objective_trades_the_speed_up_against_the_draft_step(
+    e2e_workspace, e2e_workdir, tmp_path
+):
+    """objective [served_speedup, draft_step_ms] with the real engine: each trial's run is served by llama.cpp at
+    the end of its training and the trial's first value is that run's served speed-up; the report and the parent
+    run carry the Pareto front; a relaunch serves nothing again."""
+    study_file = _study_file(
+        tmp_path,
+        "served-objective",
+        **{
+            "conv_group_size: [16, 7]": "conv_group_size: [16]",
+            "objective: realized_accepted_length": "objective: [served_speedup, draft_step_ms]",
+            ", register: tiny-drafter}": "}",  # a Pareto study has no single best run to register
+            "baselines: [dflash, dflash2_defaults]": "baselines: []",
+            "n_trials: 4": "n_trials: 2",
+            "evaluate: {best_trials: 0, num_prompts: 2, max_new_tokens: 16": (
+                "evaluate: {best_trials: 0, serve: llama.cpp, num_prompts: 1, max_new_tokens: 16"
+            ),
+        },
+    )
+    done = _launch(study_file, e2e_workdir, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("[serve] served-objective-trial-") == 2
+    study = optuna.load_study(study_name="served-objective", storage=storage_url(e2e_workdir, None))
+    complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(complete) == 2
+    client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
+    for trial in complete:
+        metrics = client.get_run(trial.user_attrs[ATTR_RUN_ID]).data.metrics
+        assert trial.values[0] == metrics[f"{tracking.SERVED_PREFIX}speedup"] > 0
+        assert trial.values[1] > 0  # the draft's step time, ms
+    experiment = client.get_experiment_by_name("dflash-lab/served-objective").experiment_id
+    (parent,) = client.search_runs([experiment], "tags.`dflash_lab.role` = 'study'")
+    front = {f"trial {t.number}" for t in study.best_trials}
+    assert set(parent.data.tags[tracking.TAG_PARETO_FRONT].split(", ")) == front
+    report = (e2e_workdir / "reports" / "served-objective" / "README.md").read_text()
+    assert "## Pareto front" in report and "| trial | selector_rank | served_speedup | draft_step_ms |" in report
+    again = _launch(study_file, e2e_workdir, "--no-report", cwd=tmp_path)
+    assert again.returncode == 0 and "[serve]" not in again.stdout and "[trial" not in again.stdout
+
+
 def test_deleted_runs_are_named_in_the_report_and_a_deleted_parent_refuses_a_relaunch(launched, e2e_workdir, tmp_path):
     """In a copy of the tiny study's stores: the best trial's run deleted in MLflow is named in the report and
     ranked nowhere; with the parent run deleted too, a relaunch and a report each refuse in one line."""
@@ -821,6 +875,16 @@ def test_a_design_at_two_budgets_labels_how_each_verdict_carried(e2e_workspace, 
 
     again = _launch(BUDGETS, e2e_workdir, cwd=tmp_path)
     assert again.returncode == 0 and "[trial" not in again.stdout and "[baseline" not in again.stdout
+
+    # One analysis per report: each budget's design is fitted once (an `auto` fit tries the interactions first,
+    # so twice a budget), for the markdown, the parent run's design metrics and its transfer tags alike.
+    fits = []
+    fit_design = reports.analysis.fit_design
+    with mock.patch.object(reports.analysis, "fit_design", lambda *a, **k: fits.append(a[0]) or fit_design(*a, **k)):
+        rebuilt, _ = build_report_with_summary("tiny-budgets", e2e_workdir, tmp_path / "rebuilt")
+    assert len(fits) == 2 * 2
+    strip = lambda text: [line for line in text.splitlines() if GENERATED_PREFIX not in line]  # noqa: E731
+    assert strip(rebuilt.read_text()) == strip(report), "the same report but for its timestamp"
 
 
 BRANCHES = Path(__file__).parent / "data" / "tiny_branches.yaml"

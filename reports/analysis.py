@@ -1,0 +1,173 @@
+"""One analysed study: what every section of its report reads, computed once from the tracking store.
+
+`analyse` slices the runs at the first budget, groups them into configurations and fits a design at each of its
+budgets; the sections (reports/render.py, reports/designed.py) only render what it found, and the parent run's
+design metrics and transfer tags come from the same object, so a report never fits the same design twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
+from harness import tracking
+from harness.design import Design, design_from_spec
+from harness.uncertainty import Estimate, ratio_estimate
+from harness.validation import pairs
+from reports.collect import StudyRecord
+from reports.effects import Fit, Unit, fit_design
+from reports.estimates import Configuration, configurations, estimate
+
+MIN_RESIDUAL_DOF = 4  # `interactions: auto` fits the resolved 2FIs only while this many residual df remain
+
+
+@dataclass(frozen=True)
+class RecordedDesign:
+    """The design a study declared, as its parent run recorded it."""
+
+    design: Design
+    margin: float
+    interactions: str
+    reference: str
+    budgets: list[int]  # shortest first; [] where the store has no step budget
+    longer: Design  # the design the longer budgets ran (the same one unless a fraction of it)
+    transfer_measured: dict  # a one-budget design's transfer measured by another study: steps, source, labels
+
+
+def recorded_budgets(record: StudyRecord) -> list[int]:
+    """The study's step budgets as its parent run recorded them (stores from before `budgets:` have one)."""
+    params = record.parent["params"]
+    if params.get("study.budgets"):
+        return [int(b) for b in params["study.budgets"].split(",")]
+    steps = params.get("study.steps_per_trial", "")
+    return [int(steps)] if str(steps).isdigit() else []
+
+
+def at_budget(record: StudyRecord, steps: int) -> StudyRecord:
+    """The study's runs trained for `steps`."""
+    runs = record.runs if record.runs.empty else record.runs[record.runs["max_steps"] == steps]
+    return dataclasses.replace(record, runs=runs.reset_index(drop=True))
+
+
+def first_budget(record: StudyRecord) -> StudyRecord:
+    """What every section but the budget transfer reads: the runs at the study's first budget."""
+    budgets = recorded_budgets(record)
+    return at_budget(record, budgets[0]) if len(budgets) > 1 else record
+
+
+def recorded_design(record: StudyRecord) -> RecordedDesign | None:
+    params = record.parent["params"]
+    if "study.design" not in params:
+        return None
+    spec = json.loads(params["study.design"])
+    longer = json.loads(params.get("study.longer_design") or params["study.design"])
+    return RecordedDesign(
+        design_from_spec(spec),
+        float(params.get("study.design_margin", 0.05)),
+        params.get("study.design_interactions", "auto"),
+        params.get("study.design_reference", ""),
+        recorded_budgets(record),
+        design_from_spec(longer),
+        spec.get("transfer_measured") or {},
+    )
+
+
+def run_value(documents: pd.DataFrame, metric: str = REALIZED_ACCEPTED_LENGTH) -> Estimate:
+    return ratio_estimate(*pairs(documents, metric))
+
+
+def design_units(record: StudyRecord, recorded: RecordedDesign) -> list[Unit]:
+    """Every finished design run and reference-baseline run with its per-document pairs: one unit each."""
+    units = []
+    for _, row in record.runs.iterrows():
+        if row["status"] != "finished" or row["run_id"] not in record.documents:
+            continue
+        if row["role"] == tracking.ROLE_TRIAL and row["design_point"]:
+            point = json.loads(row["design_point"])
+        elif row["role"] == tracking.ROLE_BASELINE and recorded.reference and row["baseline"] == recorded.reference:
+            point = None
+        else:
+            continue
+        estimate = run_value(record.documents[row["run_id"]])
+        units.append(Unit(point, estimate.value, estimate.se, row["run_name"]))
+    return units
+
+
+def fit_recorded(recorded: RecordedDesign, units: list[Unit]) -> tuple[Fit, bool]:
+    """The fit, with the resolved two-factor interactions when asked for (or, on `auto`, when enough residual
+    degrees of freedom remain); returns whether they were fitted."""
+    wanted = recorded.interactions in (True, "True", "true")
+    if recorded.interactions == "auto":
+        fitted = fit_design(recorded.design, units, recorded.margin, interactions=True)
+        wanted = bool(recorded.design.terms(True)[len(recorded.design.factors) :]) and (
+            fitted.residual_dof >= MIN_RESIDUAL_DOF
+        )
+    return fit_design(recorded.design, units, recorded.margin, interactions=wanted), wanted
+
+
+def study_configurations(record: StudyRecord) -> list[Configuration]:
+    """Finished trials and baselines, best realized first."""
+    found = configurations(record.runs, record.documents)
+    return sorted(found, key=lambda c: (-estimate(c, REALIZED_ACCEPTED_LENGTH).value, c.key))
+
+
+@dataclass(frozen=True)
+class BudgetFit:
+    """A design fitted on its runs at one step budget."""
+
+    steps: int | None  # None: every run of a study with one budget
+    units: list[Unit]
+    fit: Fit
+    with_interactions: bool
+    wall_s: float  # the run wall time of its units
+
+
+@dataclass(frozen=True)
+class DesignAnalysis:
+    """A designed study's fits: at its first budget, and at each longer one on the design those ran."""
+
+    recorded: RecordedDesign
+    first: BudgetFit
+    longer: list[BudgetFit]
+
+
+@dataclass(frozen=True)
+class StudyAnalysis:
+    """The study as every report section reads it: the whole record (the budget transfer, problems, deleted runs),
+    its first budget's runs and configurations (every other section), and its design's fits."""
+
+    whole: StudyRecord
+    record: StudyRecord
+    configs: list[Configuration]
+    design: DesignAnalysis | None
+
+
+def budget_fit(record: StudyRecord, recorded: RecordedDesign, steps: int | None) -> BudgetFit:
+    at = record if steps is None else at_budget(record, steps)
+    units = design_units(at, recorded)
+    fit, with_interactions = fit_recorded(recorded, units)
+    wall = at.runs.loc[at.runs["run_name"].isin([u.name for u in units]), "wall_s"] if units else []
+    return BudgetFit(steps, units, fit, with_interactions, float(np.nansum(wall)))
+
+
+def analyse_design(record: StudyRecord) -> DesignAnalysis | None:
+    recorded = recorded_design(record)
+    if recorded is None:
+        return None
+    first, *longer = recorded.budgets or [None]
+    longer_design = dataclasses.replace(recorded, design=recorded.longer)
+    return DesignAnalysis(
+        recorded,
+        budget_fit(record, recorded, first if longer else None),
+        [budget_fit(record, longer_design, steps) for steps in longer],
+    )
+
+
+def analyse(record: StudyRecord) -> StudyAnalysis:
+    first = first_budget(record)
+    return StudyAnalysis(record, first, study_configurations(first), analyse_design(record))
