@@ -454,13 +454,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     args.engine = ENGINE
     engine = served_engine(args)
-    if args.prompts is not None:
-        from harness.data import read_prompts
-
-        try:
-            read_prompts(args.prompts)  # refused before the target and data load
-        except ValueError as error:
-            raise SystemExit(f"error: {error}") from None
     run = located_run(args)
     state = run.load_checkpoint()
     config = checkpoint_config(state)

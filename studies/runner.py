@@ -262,7 +262,7 @@ class StudyRunner:
 
     def _run(self, config: RunConfig, run_name: str, tags: dict, trial: optuna.Trial | None = None):
         """One run of the study, in this process or, with `nproc_per_node` > 1, as a torchrun job; `trial`
-        receives its validations and may prune it."""
+        receives its validations (a one-objective study's) and may prune it."""
         options = dict(
             run_name=run_name,
             resume=Run(self.workdir, run_name).exists(),
@@ -272,6 +272,8 @@ class StudyRunner:
             system_metrics=self.system_metrics,
         )
         prunes = self.definition.prunes
+        if len(self.definition.objectives) > 1:
+            trial = None  # Optuna keeps no intermediate values for a multi-objective trial
         if self.definition.nproc_per_node > 1:
             link = None if trial is None else TrialLink.of(trial, self.storage_url, self.definition.pruner, prunes)
             job = RunJob(config.to_dict(), str(self.workdir), self.device, options, link)

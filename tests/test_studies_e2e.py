@@ -188,7 +188,7 @@ def test_the_mlflow_ui_columns_read_well(launched, e2e_workdir, tmp_path):
         a.path for a in client.list_artifacts(registered.run_id, "export")
     }
     versions = client.search_model_versions("name = 'tiny-drafter'")
-    assert [v.version for v in versions if v.run_id == registered.run_id] == [version]
+    assert [str(v.version) for v in versions if v.run_id == registered.run_id] == [version]
 
 
 def test_report_numbers_equal_mlflow_and_regenerate_identically(launched, e2e_workdir):
