@@ -341,17 +341,29 @@ def mlflow_server(backend_store_uri: str, *options: str):
 
 
 def gone(pid: int, within_s: float = 10.0) -> bool:
-    """Whether process `pid` has ended within `within_s` (a zombie counts: it runs nothing and holds no port)."""
+    """Whether process `pid` has ended within `within_s`: none of its threads runs any more. A zombie leader
+    counts only once its other threads have exited too: until the last one does, the process keeps its files and
+    sockets (a killed llama-server's port still accepted a connection, then reset it)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == "Z":
+        if all(_thread_state(task) in (None, "Z", "X") for task in _tasks(pid)):
             return True
         time.sleep(0.05)
     return False
+
+
+def _tasks(pid: int) -> list[Path]:
+    try:
+        return list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return []  # the process is gone
+
+
+def _thread_state(task: Path) -> str | None:
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None  # that thread has exited
 
 
 def started_server(workdir: Path, process: subprocess.Popen, log: Path | None = None, timeout_s: float = 600) -> int:
