@@ -1,6 +1,7 @@
 """The served speed-up as users measure it: tokens/s with a trained draft over the target alone, in llama.cpp, on
-MT-bench first turns by category and held-out chat prompts, at T = 0 and a fixed number of new tokens, with a 95%
-interval over prompts; beside it, in the same run and on the same prompts, llama.cpp's training-free speculation
+MT-bench first turns by category and held-out chat prompts, at T = 0 and a fixed number of new tokens (or up to each
+reply's end, `--until-eos`), with a 95% interval over prompts, each drafter paired with the target alone timed
+before and after it; beside it, in the same run and on the same prompts, llama.cpp's training-free speculation
 (the n-gram types), and the draft's break-even on this machine. With the f32 target (the agreement check's setting)
 and the shipped Q4_1 target (what a user serves).
 
