@@ -108,8 +108,8 @@ def loaded(engine, run: Run, state: dict, target) -> Trained:
 
 def wall_minutes(run: Run) -> float | None:
     """The run's MLflow wall time: first start to last end (a resumed run's pause included)."""
-    info = tracking.client(run.workdir).get_run(run.run_id).info
-    return (info.end_time - info.start_time) / 60_000 if info.end_time else None
+    seconds = tracking.wall_seconds(tracking.client(run.workdir).get_run(run.run_id).info)
+    return None if seconds is None else seconds / 60
 
 
 def serve_run(engine, f32_target: Path, trained: Trained, prompts: dict, args: argparse.Namespace) -> dict:

@@ -44,8 +44,7 @@ def trained(config: RunConfig, workspace, name: str) -> tuple[float, float | Non
     if run.has_checkpoint():
         state = run.load_checkpoint()
         if state["step"] == config.train.max_steps:
-            info = tracking.client(workspace.workdir).get_run(run.run_id).info
-            wall = (info.end_time - info.start_time) / 1000 if info.end_time else None
+            wall = tracking.wall_seconds(tracking.client(workspace.workdir).get_run(run.run_id).info)
             return state["history"][-1][REALIZED_ACCEPTED_LENGTH], wall
     started = time.monotonic()
     result = train(config, workspace, run_name=name, resume=run.exists())

@@ -176,6 +176,12 @@ def ensure_store(workdir: Path) -> None:
     _ready_stores.add(uri)
 
 
+def wall_seconds(info) -> float | None:
+    """An MLflow run's wall time (its RunInfo's): first start to last end, a resumed run's pause included; None
+    while it has not ended."""
+    return (info.end_time - info.start_time) / 1000 if info.end_time else None
+
+
 def client(workdir: Path) -> mlflow.MlflowClient:
     bound_server_waits(tracking_uri(workdir))
     ensure_store(workdir)

@@ -106,7 +106,7 @@ def collect(study: str, workdir: Path) -> StudyRecord:
             "design_point": tags.get(tracking.TAG_DESIGN_POINT, ""),
             "computes_in": tags.get(tracking.TAG_COMPUTES_IN, ""),
             "max_steps": int(params.get("train.max_steps") or 0),
-            "wall_s": (run.info.end_time - run.info.start_time) / 1000 if run.info.end_time else float("nan"),
+            "wall_s": float("nan") if (wall := tracking.wall_seconds(run.info)) is None else wall,
         }
         for knob in (*TUNED_KNOBS, *OTHER_KNOBS):
             row[knob] = params.get(f"algo.{knob}", params.get(f"shared.{knob}", params.get(f"train.{knob}", "")))
