@@ -35,8 +35,7 @@ def rows(workdir: Path, study: str) -> list[list[str]]:
         raise SystemExit(f"error: no study named {study!r} in {workdir}")
     table = []
     for run in client.search_runs([experiment.experiment_id]):
-        prefix = tracking.SERVED_PREFIX
-        served = {k.removeprefix(prefix): v for k, v in run.data.metrics.items() if k.startswith(prefix)}
+        served = tracking.under_prefix(run.data.metrics, tracking.SERVED_PREFIX)
         if "agreement_cycle_fraction" not in served:
             continue
         records = json.loads((Path(run.data.tags[tracking.TAG_RUN_DIR]) / SERVED_RECORDS_FILE).read_text())

@@ -407,8 +407,7 @@ class Run:
 
     def metrics(self, prefix: str) -> dict[str, float]:
         """The run's latest MLflow metrics under `prefix`, named without it."""
-        metrics = tracking.client(self.workdir).get_run(self.run_id).data.metrics
-        return {name.removeprefix(prefix): value for name, value in metrics.items() if name.startswith(prefix)}
+        return tracking.under_prefix(tracking.client(self.workdir).get_run(self.run_id).data.metrics, prefix)
 
     def record_without_training(
         self, tags: dict[str, str], params: dict, parent_run_id: str | None, status: RunStatus, reason: str

@@ -306,6 +306,11 @@ def prefixed(values: dict[str, float], prefix: str) -> dict[str, float]:
     return {metric_key(name, prefix): float(value) for name, value in values.items()}
 
 
+def under_prefix(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    """The logged metrics under `prefix`, named without it (their standard errors, under se/, left out)."""
+    return {name.removeprefix(prefix): value for name, value in metrics.items() if name.startswith(prefix)}
+
+
 # The versions a run's numbers depend on, one tag per library: dflash_lab.version.<distribution>
 VERSION_TAG_PREFIX = "dflash_lab.version."
 VERSIONED = ("dflash-lab", "torch", "transformers", "mlflow", "optuna", "safetensors")

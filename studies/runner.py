@@ -29,10 +29,10 @@ from harness import tracking
 from harness.config import RunConfig, TrainConfig, decay_steps
 from harness.evaluate import evaluate, log_evaluation
 from harness.run import Run
-from harness.tracking import RunStatus
+from harness.tracking import SERVED_OBJECTIVES, RunStatus
 from harness.train import Workspace, prepare_workspace, restore_draft, train, with_target_defaults
 from studies.claims import Claims, ClaimState
-from studies.schema import DESIGN_SAMPLER, PUBLISHED_SUFFIX, SERVED_OBJECTIVES, StudyDefinition, StudyDefinitionError
+from studies.schema import DESIGN_SAMPLER, PUBLISHED_SUFFIX, StudyDefinition, StudyDefinitionError
 from studies.storage import (
     ATTR_DEFINITION,
     ATTR_DESIGN_POINT,
@@ -435,16 +435,19 @@ class StudyRunner:
     def _objective_values(self, trial: optuna.Trial, seed: int, result) -> list[float]:
         """One seed's objective values: validation metrics of its run, or, for a served objective, the run served
         now by the study's engine on its prompts (once: a run served before a kill is read back)."""
-        served = self._served_metrics(self.trial_run(trial.user_attrs.get(ATTR_ORIGIN, trial.number), seed))
+        served = {}
+        if self.definition.served_objectives:
+            name = self.trial_run(trial.user_attrs.get(ATTR_ORIGIN, trial.number), seed)
+            served = self._served(name, f"served for the objective {self.definition.objectives}")
         return [
             served[SERVED_OBJECTIVES[o]] if o in SERVED_OBJECTIVES else result.validation[o]
             for o in self.definition.objectives
         ]
 
-    def _served_metrics(self, name: str) -> dict[str, float]:
-        """The run's served/* metrics (empty when no objective is served), serving it first if it never was."""
-        if not self.definition.served_objectives:
-            return {}
+    def _served(self, name: str, why: str) -> dict[str, float]:
+        """The run's served/* metrics: the run served now by the study's engine on its prompts, or read back when
+        a serving of it finished before (served/* landed, but a kill came before the study noted it: served once
+        is enough)."""
         from harness.served import serve_run, served_status
         from harness.serving import find_engine
 
@@ -453,7 +456,7 @@ class StudyRunner:
         if served_status(run) is RunStatus.FINISHED:
             return run.metrics(tracking.SERVED_PREFIX)
         draft = restore_draft(state, self.workspace.target, self.device)
-        print(f"[serve] {name}: served for the objective {self.definition.objectives}", flush=True)
+        print(f"[serve] {name}: {why}", flush=True)
         evaluation, documents = self.definition.evaluation, self.workspace.data.validation
         return serve_run(find_engine(), run, self.workspace.target, draft, documents, evaluation)
 
@@ -587,10 +590,6 @@ class StudyRunner:
         study's prompts, compared with the harness cycle by cycle (once per run)."""
         if self.definition.serve is None:
             return
-        from harness.served import serve_run, served_status
-        from harness.serving import find_engine
-
-        engine = find_engine()
         done = self.completed_at_first_budget()
         names = []
         if done and len(self.definition.objectives) == 1:
@@ -602,20 +601,7 @@ class StudyRunner:
         for name in names:
             if name in self.study.user_attrs.get(ATTR_SERVED, []):
                 continue
-            run = Run(self.workdir, name, tracking.experiment_name(self.definition.name))
-            state = run.load_checkpoint()  # and the run's MLflow id with it
-            # served/* landed, but a kill came before the study noted it: served once is enough
-            if served_status(run) is not RunStatus.FINISHED:
-                draft = restore_draft(state, self.workspace.target, self.device)
-                print(f"[serve] {name}: llama.cpp against the harness on the same prompts", flush=True)
-                serve_run(
-                    engine,
-                    run,
-                    self.workspace.target,
-                    draft,
-                    self.workspace.data.validation,
-                    self.definition.evaluation,
-                )
+            self._served(name, "llama.cpp against the harness on the same prompts")
             self.study.set_user_attr(ATTR_SERVED, [*self.study.user_attrs.get(ATTR_SERVED, []), name])
 
     def register(self, best: optuna.trial.FrozenTrial) -> str:
