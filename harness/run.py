@@ -347,7 +347,15 @@ class Run:
             warnings.filterwarnings("ignore", message="The specified dataset source can be interpreted")
             dataset_source = resolve_dataset_source(str(source))
         for context in contexts:
-            mlflow.log_input(MetaDataset(dataset_source, name=f"{name}/{context}", digest=digest), context=context)
+            dataset = MetaDataset(dataset_source, name=f"{name}/{context}", digest=digest)
+            try:
+                mlflow.log_input(dataset, context=context)
+            except mlflow.MlflowException:
+                # MLflow reads which datasets the experiment has, then inserts the missing ones: a second launcher
+                # inserting the same one in between breaks a unique key and rolls the call back. The retry finds
+                # the row and only links it; a lasting error fails it again.
+                log.info("logging dataset %s again after a concurrent insert", dataset.name)
+                mlflow.log_input(dataset, context=context)
 
     @deferring_preemption
     def log_export(self, export_dir: Path) -> None:

@@ -172,3 +172,41 @@ def test_processes_starting_together_on_a_fresh_work_directory_create_one_store(
     outcomes = [process.communicate(timeout=300) for process in processes]
     assert [process.returncode for process in processes] == [0, 0, 0, 0], [err[-2000:] for _, err in outcomes]
     assert len({out.strip() for out, _ in outcomes}) == 1
+
+
+def test_a_dataset_another_launcher_inserts_at_the_same_moment_is_linked_not_fatal(tmp_path, monkeypatch):
+    """Replays the race two launches at once ran into: between MLflow's check for the experiment's datasets and
+    its insert, another run logs the same dataset. The first try breaks a unique key; the retry links the row."""
+    import uuid
+    from types import SimpleNamespace
+
+    from mlflow.entities import Dataset, DatasetInput
+    from mlflow.store.tracking import sqlalchemy_store
+
+    from harness.run import Run
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "data.jsonl").write_text("{}\n")
+    rival = Run(tmp_path, "rival", experiment="race-check")
+    rival.start({tracking.TAG_ROLE: tracking.ROLE_RUN})
+    rival.end(RunStatus.FINISHED)
+    run = Run(tmp_path, "first", experiment="race-check")
+    rival_inserts = []
+
+    def uuid_after_a_rival_insert():
+        """The store draws a new dataset's id right after finding it missing: the moment the rival wins."""
+        if not rival_inserts:
+            rival_inserts.append(Dataset("chat/train", "d1g35t", "local", "rival"))
+            tracking.client(tmp_path).log_inputs(rival.run_id, [DatasetInput(rival_inserts[0])])
+        return uuid.uuid4()
+
+    with run.active({tracking.TAG_ROLE: tracking.ROLE_RUN}):
+        monkeypatch.setattr(sqlalchemy_store, "uuid", SimpleNamespace(uuid4=uuid_after_a_rival_insert))
+        run.log_datasets("chat", "d1g35t", tmp_path / "data.jsonl", ("train",))
+        monkeypatch.setattr(sqlalchemy_store, "uuid", uuid)
+    client = tracking.client(tmp_path)
+    linked = [i.dataset for i in client.get_run(run.run_id).inputs.dataset_inputs]
+    rivals = [i.dataset for i in client.get_run(rival.run_id).inputs.dataset_inputs]
+    assert len(rival_inserts) == len(linked) == len(rivals) == 1
+    assert linked[0].name == rivals[0].name == "chat/train" and linked[0].source == "rival"  # the rival's row
+    mlflow.set_tracking_uri("")
