@@ -198,9 +198,10 @@ def jsonl_objects(path: Path, flag: str, allowed: str) -> Iterator[tuple[int, di
             yield number, record
 
 
-def read_prompts(path: Path) -> list[str]:
-    """A user's own evaluation prompts: a JSONL file of {"prompt": "..."} per line (the prompts-only data format)."""
-    flag, allowed = f"--prompts={str(path)!r}", 'allowed a JSONL file of {"prompt": "..."} per line'
+def read_prompts(path: Path, name: str = "--prompts") -> list[str]:
+    """A user's own evaluation prompts: a JSONL file of {"prompt": "..."} per line (the prompts-only data format).
+    Refusals name the file as `name` (the flag, or a study file's field)."""
+    flag, allowed = f"{name}={str(path)!r}", 'allowed a JSONL file of {"prompt": "..."} per line'
     if not path.is_file():
         raise ValueError(f"invalid {flag}: no such file; {allowed}")
     prompts = []

@@ -14,6 +14,7 @@ from algorithms.knobs import knob_names
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
 from algorithms.registry import COMPONENT_FACTORS, MEMBER_FACTOR, with_design_point
 from harness.config import EvalConfig, RunConfig, TrainConfig, parse_yaml
+from harness.data import read_prompts
 from harness.design import (
     FACTORIAL,
     ONE_AT_A_TIME,
@@ -203,8 +204,9 @@ class EvaluateSection(Section):
         description='a JSONL file of {"prompt": "..."} decoded in place of MT-bench (its first num_prompts), '
         "by evaluation and serving",
     )
-    register: str | None = Field(
+    registered_model: str | None = Field(
         None,
+        alias="register",  # `register` itself would shadow the model class's ABC method
         pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
         description="at the end, register the best run's export (export/ artifacts) as a version of this model "
         "in MLflow's model registry (one objective only)",
@@ -303,7 +305,9 @@ def _one_line(path: str, error: ValidationError) -> StudyDefinitionError:
     where = ".".join(map(str, loc)) or "<top level>"
     if first["type"] == "extra_forbidden":
         section = SECTIONS.get(loc[:-1])
-        allowed = f"keys {list(section.model_fields)}" if section else "no other keys"
+        allowed = (
+            f"keys {[f.alias or name for name, f in section.model_fields.items()]}" if section else "no other keys"
+        )
         return _fail(path, where, first["input"], allowed)
     if first["type"] == "missing":
         return _fail(path, where, None, "a value (this field is required)")
@@ -410,11 +414,11 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
     objectives = file.objective if isinstance(file.objective, list) else [file.objective]
     if not objectives or any(o not in OBJECTIVES for o in objectives) or len(set(objectives)) != len(objectives):
         raise _fail(path, "objective", file.objective, f"one or a list of distinct {sorted(OBJECTIVES)}")
-    if file.evaluate.register is not None and len(objectives) > 1:
+    if file.evaluate.registered_model is not None and len(objectives) > 1:
         raise _fail(
             path,
             "evaluate.register",
-            file.evaluate.register,
+            file.evaluate.registered_model,
             "a model name with one objective (a Pareto study has no single best run)",
         )
     if any(o in SERVED_OBJECTIVES for o in objectives) and file.evaluate.serve is None:
@@ -459,7 +463,7 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
         description=file.description,
         evaluate_best=evaluate.best_trials,
         serve=evaluate.serve,
-        register=evaluate.register,
+        register=evaluate.registered_model,
         evaluation=EvalConfig(
             num_prompts=evaluate.num_prompts,
             max_new_tokens=evaluate.max_new_tokens,
@@ -610,5 +614,10 @@ def load_study(path: Path) -> StudyDefinition:
     except ValueError as error:
         raise StudyDefinitionError(str(error)) from None
     study = parse_study(data, str(path))
+    if study.evaluation.prompts is not None:
+        try:  # refused at launch, not at the first trial's evaluation
+            read_prompts(Path(study.evaluation.prompts), name="field evaluate.prompts")
+        except ValueError as error:
+            raise StudyDefinitionError(f"{path}: {error}") from None
     study.source_text = text
     return study

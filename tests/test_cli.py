@@ -345,6 +345,7 @@ def test_an_error_after_an_unfinished_progress_bar_starts_its_own_line(capsys, m
     assert lines[-1] == "error: interrupted (Ctrl-C)"
     assert lines[-2].startswith("regenerating responses:   0%")
     assert bar not in tqdm._instances
+    bar.disable = True  # a half-built bar's own __del__ would fail on the missing start_t when collected
 
 
 def test_version_names_the_installed_package(cli):

@@ -112,6 +112,24 @@ def test_a_pareto_study_has_no_best_run_to_register():
     assert parse_study(_set(SEARCH, "evaluate", {"register": "m"}), "search.yaml").register == "m"
 
 
+def test_a_studys_own_prompt_file_is_refused_at_launch_in_one_line(tmp_path, monkeypatch):
+    """Read when the study loads, relative to where it is launched: not at the first trial's evaluation."""
+    monkeypatch.chdir(tmp_path)
+    study_file = tmp_path / "own.yaml"
+    study_file.write_text(yaml.safe_dump(_set(SEARCH, "evaluate", {"prompts": "mine.jsonl"})))
+    with pytest.raises(StudyDefinitionError) as missing:
+        load_study(study_file)
+    assert str(missing.value) == (
+        f"{study_file}: invalid field evaluate.prompts='mine.jsonl': no such file; "
+        'allowed a JSONL file of {"prompt": "..."} per line'
+    )
+    (tmp_path / "mine.jsonl").write_text('{"prompt": "hi"}\n{"text": "no prompt"}\n')
+    with pytest.raises(StudyDefinitionError, match=r"own.yaml: invalid field evaluate.prompts='mine.jsonl': line 2 "):
+        load_study(study_file)
+    (tmp_path / "mine.jsonl").write_text('{"prompt": "hi"}\n')
+    assert load_study(study_file).evaluation.prompts == "mine.jsonl"
+
+
 def test_a_grid_over_a_float_range_is_refused():
     data = _set(SEARCH, "sampler", {"type": "grid"})
     with pytest.raises(StudyDefinitionError, match="grid sampler needs categorical or linear int dimensions"):
