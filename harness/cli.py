@@ -446,9 +446,10 @@ def served_verdict(metrics: dict[str, float]) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a run's draft with its target in llama.cpp for a person to try, until Ctrl-C."""
+    from harness.files import file_lock
     from harness.run import SERVED_DIR, SERVING_LOCK_FILE, server_records
     from harness.served import check_servable, check_served_format, gguf_files, served_shape
-    from harness.serving import ENGINE, EngineError, LlamaServer, file_lock
+    from harness.serving import ENGINE, EngineError, LlamaServer
     from harness.targets import load_target
     from harness.train import checkpoint_config, restore_draft
 

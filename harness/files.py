@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import hashlib
 import logging
@@ -10,7 +11,8 @@ import re
 import shutil
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +123,26 @@ def _probe_directory(path: Path) -> None:
 
 def _probe_file(path: Path) -> None:
     open(path, "r+b").close()  # opened for writing, nothing written
+
+
+@contextmanager
+def file_lock(path: Path, waiting: str) -> Iterator[None]:
+    """An exclusive flock on `path` (released by the OS when the holder dies); `waiting` is logged if it is busy."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            log.info("%s: waiting for %s", waiting, holder)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"process {os.getpid()}")
+        handle.flush()
+        try:
+            yield
+        finally:
+            handle.seek(0)
+            handle.truncate()

@@ -29,9 +29,9 @@ from harness.config import EvalConfig
 from harness.decode import speculative_generate, target_greedy
 from harness.evaluate import instruction_set, prompt_sets, temperature_tag
 from harness.export import NoPeerFormat, export_checkpoint, peer_format
-from harness.files import atomic_write
+from harness.files import atomic_write, file_lock
 from harness.run import DRAFT_GGUF_FILE, SERVED_DIR, SERVED_RECORDS_FILE, SERVING_LOCK_FILE, Run, server_records
-from harness.serving import ENGINE, Completion, Engine, EngineError, LlamaServer, file_lock, target_gguf, to_gguf
+from harness.serving import ENGINE, Completion, Engine, EngineError, LlamaServer, target_gguf, to_gguf
 from harness.targets import Target
 from harness.tracking import TAG_SERVED_REASON, TAG_SERVED_STATUS, RunStatus
 from harness.uncertainty import mean_estimate

@@ -8,7 +8,6 @@ outlives the process that started it. What the served numbers are compared again
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import functools
 import http.client
 import json
@@ -22,12 +21,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.files import atomic_write, file_sha256, process_alive, remove
+from harness.files import atomic_write, file_lock, file_sha256, process_alive, remove
 
 log = logging.getLogger(__name__)
 
@@ -127,29 +124,6 @@ def gguf_problem(path: Path) -> str | None:
     if gguf_stamp(path)["sha256"] != sha256:
         return "its checksum differs from the one recorded when it was written"
     return None
-
-
-@contextmanager
-def file_lock(path: Path, waiting: str) -> Iterator[None]:
-    """An exclusive flock on `path` (released by the OS when the holder dies); `waiting` is logged if it is busy."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            log.info("%s: waiting for %s", waiting, holder)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"process {os.getpid()}")
-        handle.flush()
-        try:
-            yield
-        finally:
-            handle.seek(0)
-            handle.truncate()
 
 
 def to_gguf(

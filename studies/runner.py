@@ -28,6 +28,7 @@ from algorithms.registry import draft_config, with_design_point
 from harness import tracking
 from harness.config import RunConfig, TrainConfig, decay_steps
 from harness.evaluate import evaluate, log_evaluation
+from harness.files import file_lock
 from harness.run import Run
 from harness.tracking import SERVED_OBJECTIVES, RunStatus
 from harness.train import Workspace, prepare_workspace, restore_draft, train, with_target_defaults
@@ -60,6 +61,10 @@ CLAIM_POLL_S = 2.0  # how often a launcher waiting on another's baseline or pare
 PARENT_CLAIM = "parent-run"
 DESIGN_CLAIM = "design-points"  # the one launcher that enqueues a design's points
 NO_POINT_LEFT = "no design point left: another worker took the last one"
+STUDY_FILES_DIR = "studies"  # in the work directory: one folder per study, named after it
+SUMMARY_FILE = "summary.json"
+DEFINITION_FILE = "study.yaml"  # the study file as launched, also on the parent run
+FINALIZE_LOCK = ".finalize.lock"  # held by the one launcher writing the summary onto the parent run
 BUDGET_PARAM = "budget"  # a design trial's step budget, among its Optuna params in a study with several budgets
 
 
@@ -119,6 +124,11 @@ def first_difference(stored: str, current: str) -> str:
         if before != after:
             return f"line {number}: {before.strip()!r} -> {after.strip()!r}"
     return "whitespace only"
+
+
+def study_files(workdir: Path, name: str) -> Path:
+    """The work directory's folder for a study's own files (its definition as launched, its summary)."""
+    return workdir / STUDY_FILES_DIR / name
 
 
 def finished_count(study: optuna.Study) -> int:
@@ -666,7 +676,7 @@ class StudyRunner:
         client.set_tag(
             self.parent_run_id, tracking.TAG_TRIALS_USED, f"{finished_count(self.study)} of {self.definition.n_trials}"
         )
-        path = self.workdir / "studies" / self.definition.name / "summary.json"
+        path = study_files(self.workdir, self.definition.name) / SUMMARY_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=2, default=str))
         client.log_artifact(self.parent_run_id, str(path))
@@ -753,7 +763,7 @@ def _create_parent_run(definition: StudyDefinition, workdir: Path, experiment_id
     }
     for key, value in tracking.stringified(params).items():
         client.log_param(run.info.run_id, key, value)
-    definition_path = workdir / "studies" / definition.name / "study.yaml"
+    definition_path = study_files(workdir, definition.name) / DEFINITION_FILE
     definition_path.parent.mkdir(parents=True, exist_ok=True)
     definition_path.write_text(definition.source_text)
     client.log_artifact(run.info.run_id, str(definition_path))
@@ -878,6 +888,9 @@ def launch(
         raise
     if worker:
         return {"study": definition.name, "worker": True}
-    summary = runner.finalize()
-    tracking.mark_status(tracking.client(workdir), parent, RunStatus.FINISHED)
+    # Launchers that end together would otherwise create the parent's new tags at once (MLflow checks, then
+    # inserts) and log its best values twice.
+    with file_lock(study_files(workdir, definition.name) / FINALIZE_LOCK, f"summarising study {definition.name}"):
+        summary = runner.finalize()
+        tracking.mark_status(tracking.client(workdir), parent, RunStatus.FINISHED)
     return summary

@@ -383,7 +383,7 @@ def test_the_break_even_of_a_stand_in_engine_with_a_known_cycle_cost_is_that_cos
 HOLDS_A_LOCK = """\
 import sys, time
 from pathlib import Path
-from harness.serving import file_lock
+from harness.files import file_lock
 with file_lock(Path(sys.argv[1]), "serving run r"):
     print("held", flush=True)
     time.sleep(float(sys.argv[2]))
@@ -392,13 +392,13 @@ with file_lock(Path(sys.argv[1]), "serving run r"):
 
 def test_a_second_process_waits_for_the_runs_serving_lock_and_says_whom_it_waits_for(tmp_path, caplog):
     """Two evaluations of one run: the second waits until the first has served, then serves itself."""
-    from harness.serving import file_lock
+    from harness.files import file_lock
 
     lock = tmp_path / "served" / ".serving.lock"
     holder = subprocess.Popen([sys.executable, "-c", HOLDS_A_LOCK, str(lock), "1.5"], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
     started = time.monotonic()
-    with caplog.at_level("INFO", logger="harness.serving"), file_lock(lock, "serving run r"):
+    with caplog.at_level("INFO", logger="harness.files"), file_lock(lock, "serving run r"):
         waited = time.monotonic() - started
     holder.wait()
     assert waited > 1.0, "the lock was taken only after the first process let it go (it held it 1.5 s)"
