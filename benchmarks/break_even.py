@@ -60,7 +60,7 @@ def measure_all(args: argparse.Namespace) -> list[dict]:
     engine = find_engine()
     target = load_target(TARGET, args.workdir)
     targets = {
-        "f32": target_gguf(engine, args.workdir / SERVED_DIR, target.source, target.weights_hash),
+        "f32": target_gguf(engine, args.workdir, target),
         "Q4_1 (shipped)": embedded_gguf_path(TARGET),
     }
     prompts = [prompt_ids(target.tokenizer, q) for q in mtbench_questions(args.prompts)]

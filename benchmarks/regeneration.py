@@ -29,7 +29,6 @@ from harness.data import DataConfig, load_conversations, tokenize_conversation
 from harness.decode import target_greedy
 from harness.features import batch_features, final_dtype
 from harness.regeneration import ENGINE, HF, Journal, regenerate, template_ids
-from harness.run import SERVED_DIR
 from harness.served import cause_of
 from harness.serving import find_engine, target_gguf
 from harness.targets import load_target
@@ -88,7 +87,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT, help=f"markdown file (default: {OUT})")
     args = parser.parse_args()
     target = load_target("smollm2-135m", args.workdir)
-    target_gguf(find_engine(), args.workdir / SERVED_DIR, target.source, target.weights_hash)  # before the clock
+    target_gguf(find_engine(), args.workdir, target)  # before the clock
     config = DataConfig(
         num_conversations=args.conversations,
         num_validation=1,

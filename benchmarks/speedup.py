@@ -25,8 +25,8 @@ from harness import break_even
 from harness.data import prepare_documents
 from harness.evaluate import chat_prompt_ids, mtbench_records, prompt_ids
 from harness.run import SERVED_DIR, Run, server_records
-from harness.served import accepted_length, gguf_files, served_shape
-from harness.serving import Completion, Engine, LlamaServer, find_engine
+from harness.served import accepted_length, draft_gguf, served_shape
+from harness.serving import Completion, Engine, LlamaServer, find_engine, target_gguf
 from harness.targets import embedded_gguf_path, load_target
 from harness.train import checkpoint_config, restore_draft
 from harness.uncertainty import ratio_estimate
@@ -109,46 +109,59 @@ class ServerSetting:
             return serve_all(server, self.prompts, self.args.tokens, not self.args.until_eos)
 
 
+@dataclass
+class Served:
+    """One trained run as this benchmark serves it: its draft as GGUF and the shape llama.cpp drafts with."""
+
+    run: Run
+    algorithm: str
+    draft_gguf: Path
+    block: int
+    spec_type: str
+
+    @property
+    def label(self) -> str:
+        return f"`{self.run.name}` ({self.algorithm}, block {self.block + 1})"
+
+
+TARGET_FILES = {"f32": "f32", "q4_1": "Q4_1 (shipped)"}
+
+
 def measure(args: argparse.Namespace) -> str:
     engine = find_engine()
-    run = Run.locate(args.run, args.workdir)
-    state = run.load_checkpoint()
-    config = checkpoint_config(state)
-    target = load_target(config.target, run.workdir, config.algorithm.shared.mask_token_id)
-    draft = restore_draft(state, target)
-    f32_target, draft_gguf = gguf_files(engine, run, draft, target)
-    block, spec_type = served_shape(draft)
+    runs = [Run.locate(name, args.workdir) for name in args.run]
+    states = [run.load_checkpoint() for run in runs]
+    configs = [checkpoint_config(state) for state in states]
+    first = configs[0]
+    for run, config in zip(runs[1:], configs[1:], strict=True):
+        if (config.target, config.data) != (first.target, first.data):
+            raise SystemExit(
+                f"invalid --run={run.name!r}: trained on other data or another target than {runs[0].name!r}; "
+                "allowed runs that share the first run's target and data (its held-out chat prompts are served)"
+            )
+    target = load_target(first.target, runs[0].workdir, first.algorithm.shared.mask_token_id)
+    drafts = []
+    for run, state, config in zip(runs, states, configs, strict=True):
+        draft = restore_draft(state, target)
+        drafts.append(
+            Served(run, config.algorithm.algorithm, draft_gguf(engine, run, draft, target), *served_shape(draft))
+        )
     prompts = prompts_by_category(target.tokenizer, args.per_category)
-    if args.chat:  # the run's own held-out conversations, up to their first assistant token
-        prompts[CHAT] = chat_prompt_ids(prepare_documents(target, config.data, run.workdir).validation, args.chat)
-    logs, records = run.path(SERVED_DIR) / "speedup", server_records(run.workdir)
+    if args.chat:  # the first run's held-out conversations, up to their first assistant token
+        prompts[CHAT] = chat_prompt_ids(prepare_documents(target, first.data, runs[0].workdir).validation, args.chat)
+    logs, records = runs[0].path(SERVED_DIR) / "speedup", server_records(runs[0].workdir)
+    models = {"f32": target_gguf(engine, runs[0].workdir, target), "q4_1": embedded_gguf_path(first.target)}
     sections = []
-    for target_name, model in {"f32": f32_target, "Q4_1 (shipped)": embedded_gguf_path(config.target)}.items():
+    for key in args.targets:
+        target_name, model = TARGET_FILES[key], models[key]
         started = time.monotonic()
-        tag = target_name.split()[0]
-
-        server = ServerSetting(engine, model, logs, tag, records, prompts, args)
+        server = ServerSetting(engine, model, logs, key, records, prompts, args)
         before = server.serve("alone-before")
-        served = {f"`{run.name}` ({config.algorithm.algorithm}, block {block + 1})": server.serve(
-            "draft", draft_gguf, block, spec_type
-        )}  # fmt: skip
+        served = {d.label: server.serve(f"draft-{d.run.name}", d.draft_gguf, d.block, d.spec_type) for d in drafts}
         served.update({f"`{ngram}`": server.serve(ngram, spec_type=ngram) for ngram in NGRAM_TYPES})
         after = server.serve("alone-after")
         alone = bracketed(before, after)
         rows = [row(name, completions, alone) for name, completions in served.items()]
-        flat = [p for group in prompts.values() for p in group][: args.break_even_prompts]
-        found = break_even.measure(
-            engine,
-            model,
-            draft_gguf,
-            block,
-            spec_type,
-            flat,
-            args.tokens,
-            logs,
-            records,
-            lengths=break_even.synthetic_lengths(block, 5),
-        )
         sections += [
             f"### {target_name} target: alone {alone_speed(before):.1f} tokens/s before the drafts, "
             f"{alone_speed(after):.1f} after ({(time.monotonic() - started) / 60:.0f} min)",
@@ -157,27 +170,59 @@ def measure(args: argparse.Namespace) -> str:
             "| --- | --- | --- | --- | --- |",
             *("| " + " | ".join(cells) + " |" for cells in rows),
             "",
-            f"Break-even of this draft's shape on this target: accepted length {found.text()} (cycle cost "
-            f"{found.cycle_cost:.2f} plain tokens).",
+            *break_evens(engine, model, drafts, prompts, logs, records, args),
             "",
         ]
     count = sum(len(g) for g in prompts.values())
+    runs_text = " ".join(f"--run {name}" for name in args.run)
+    trained = "; ".join(
+        f"{run.name}: {config.train.max_steps} steps, seed {config.train.seed}"
+        for run, config in zip(runs, configs, strict=True)
+    )
     return "\n".join(
         [
-            f"## `{run.name}` on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+            f"## {', '.join(f'`{run.name}`' for run in runs)} on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
             "",
             f"{cpu_model()} ({os.cpu_count()} cores), llama.cpp {engine.commit[:9]}; `python -m benchmarks.speedup "
-            f"--workdir {args.workdir} --run {args.run} --per-category {args.per_category} --chat {args.chat} "
-            f"--tokens {args.tokens}{' --until-eos' * args.until_eos}`. "
+            f"--workdir {args.workdir} {runs_text} --per-category {args.per_category} --chat {args.chat} "
+            f"--tokens {args.tokens}{' --until-eos' * args.until_eos} --targets {' '.join(args.targets)}`. "
             f"{count} prompts: MT-bench first turns ({args.per_category} per category, the first by question id) and "
             f"{args.chat} of the run's held-out chat conversations, "
-            f"{reply_length(args)}, T = 0. The run: {config.train.max_steps} steps, "
-            f"{config.data.num_conversations} conversations. Each speed-up is paired by prompt with the target "
-            "alone, timed before and after every drafter (the mean of the two).",
+            f"{reply_length(args)}, T = 0. Trained on {first.data.num_conversations} conversations ({trained}). "
+            "Each speed-up is paired by prompt with the target alone, timed before and after every drafter (the "
+            "mean of the two).",
             "",
             *sections,
         ]
     )
+
+
+def break_evens(engine, model, drafts: list[Served], prompts, logs: Path, records: Path, args) -> list[str]:
+    """The break-even of each draft shape served (once per shape: synthetic acceptance times the shape, not the
+    weights), on this target."""
+    flat = [p for group in prompts.values() for p in group][: args.break_even_prompts]
+    lines, measured = [], set()
+    for draft in drafts:
+        if (draft.block, draft.spec_type) in measured:
+            continue
+        measured.add((draft.block, draft.spec_type))
+        found = break_even.measure(
+            engine,
+            model,
+            draft.draft_gguf,
+            draft.block,
+            draft.spec_type,
+            flat,
+            args.tokens,
+            logs,
+            records,
+            lengths=break_even.synthetic_lengths(draft.block, 5),
+        )
+        lines.append(
+            f"Break-even of a block-{draft.block + 1} {draft.spec_type} draft on this target: accepted length "
+            f"{found.text()} (cycle cost {found.cycle_cost:.2f} plain tokens)."
+        )
+    return lines
 
 
 def serving_arguments(parser: argparse.ArgumentParser) -> None:
@@ -202,7 +247,20 @@ def reply_length(args: argparse.Namespace) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     serving_arguments(parser)
-    parser.add_argument("--run", required=True, help="the trained run whose draft is served (name or directory)")
+    parser.add_argument(
+        "--run",
+        required=True,
+        action="append",
+        help="a trained run whose draft is served (name or directory); give it again to serve several in one "
+        "launch, each paired with the same alone passes (runs sharing the first one's target and data)",
+    )
+    parser.add_argument(
+        "--targets",
+        nargs="+",
+        choices=list(TARGET_FILES),
+        default=list(TARGET_FILES),
+        help="the target files served: f32 (the agreement check's) and the shipped q4_1 (default: both)",
+    )
     parser.add_argument("--out", type=Path, default=OUT, help=f"markdown file appended to (default: {OUT})")
     args = parser.parse_args()
     section = measure(args)

@@ -155,7 +155,7 @@ def measure(args: argparse.Namespace) -> tuple[str, list[Point]]:
         raise SystemExit(f"error: invalid --runs={args.runs!r}: no finished run of that name in {args.workdir}")
     first = checkpoint_config(found[0][1])
     target = load_target(first.target, args.workdir, first.algorithm.shared.mask_token_id)
-    f32_target = target_gguf(engine, args.workdir / SERVED_DIR, target.source, target.weights_hash)
+    f32_target = target_gguf(engine, args.workdir, target)
     runs = [loaded(engine, run, state, target) for run, state in found]
     mtbench = prompts_by_category(target.tokenizer, args.per_category)
     # each data set's held-out chat prompts, timed with the target alone too, so each point is paired by prompt

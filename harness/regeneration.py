@@ -125,7 +125,7 @@ def engine_replies(target, config, workdir: Path) -> Iterator[Replies]:
     from harness.serving import LlamaServer, find_engine, target_gguf
 
     engine = find_engine()
-    model = target_gguf(engine, workdir / SERVED_DIR, target.source, target.weights_hash)
+    model = target_gguf(engine, workdir, target)
     slots = config.generation_batch_size
     # each slot holds a prompt shorter than max_length (a longer one is never sent) and its reply, in steps of 256
     per_slot = 256 * math.ceil((config.max_length + config.max_new_tokens) / 256)

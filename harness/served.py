@@ -67,7 +67,7 @@ def served_shape(draft: DFlashDraft) -> tuple[int, str]:
 
 def gguf_files(engine: Engine, run: Run, draft: DFlashDraft, target: Target) -> tuple[Path, Path]:
     """The target once per work directory (keyed by its weights), the draft once per run checkpoint."""
-    target_file = target_gguf(engine, run.workdir / SERVED_DIR, target.source, target.weights_hash)
+    target_file = target_gguf(engine, run.workdir, target)
     return target_file, draft_gguf(engine, run, draft, target)
 
 

@@ -23,8 +23,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from harness.files import atomic_write, file_lock, file_sha256, process_alive, remove
+from harness.run import SERVED_DIR
+
+if TYPE_CHECKING:
+    from harness.targets import Target
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +168,10 @@ def to_gguf(
     return out
 
 
-def target_gguf(engine: Engine, served_dir: Path, source: str, weights_hash: str) -> Path:
+def target_gguf(engine: Engine, workdir: Path, target: Target) -> Path:
     """The target as an f32 GGUF, converted once per work directory (keyed by its weights)."""
-    return to_gguf(engine, Path(source), served_dir / f"target-{weights_hash}-f32.gguf", "the target")
+    out = workdir / SERVED_DIR / f"target-{target.weights_hash}-f32.gguf"
+    return to_gguf(engine, Path(target.source), out, "the target")
 
 
 def free_port() -> int:
