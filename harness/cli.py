@@ -414,6 +414,8 @@ def evaluate_served(engine, run, workspace, draft, eval_config) -> int:
         "tokens_per_s_draft",
         "tokens_per_s_alone",
         "speedup",
+        "speedup_low",
+        "speedup_high",
         "break_even_accepted_length",
         "break_even_accepted_length_low",
         "break_even_accepted_length_high",

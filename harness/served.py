@@ -16,7 +16,7 @@ import math
 import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,7 +34,7 @@ from harness.run import DRAFT_GGUF_FILE, SERVED_DIR, SERVED_RECORDS_FILE, SERVIN
 from harness.serving import ENGINE, Completion, Engine, EngineError, LlamaServer, target_gguf, to_gguf
 from harness.targets import Target
 from harness.tracking import TAG_SERVED_REASON, TAG_SERVED_STATUS, RunStatus
-from harness.uncertainty import mean_estimate
+from harness.uncertainty import mean_estimate, ratio_estimate
 
 NEAR_TIE = 0.05  # a top-2 logit gap below this counts as a near-tie: the verify batch's rounding may flip it
 
@@ -247,23 +247,40 @@ def serve_prompts(
     temperatures: list,
     config,
 ) -> tuple[Served, Served]:
-    """Every prompt through the server with the draft at each temperature, then through the target alone."""
+    """Every prompt through the target alone, then with the draft at each temperature, then alone again: each
+    request's speed alone is the mean of the two passes, so a machine that speeds up or slows down while it
+    serves moves the baseline with it (the completion itself is the first pass's)."""
     (target_gguf, draft_gguf), (block, spec_type) = ggufs, served_shape(draft)
     logs = run.path(SERVED_DIR)
     served: Served = {}
-    alone: Served = {}
     tokens = config.max_new_tokens
     records = server_records(run.workdir)
+
+    def alone_pass(when: str) -> Served:
+        with LlamaServer(engine, target_gguf, logs / f"server-alone-{when}.log", records) as server:
+            return {
+                (name, 0.0): [
+                    server.complete(p, tokens)
+                    for p in tqdm(prompts, desc=f"serve {name} without the draft ({when})", unit="request")
+                ]
+                for name, prompts in prompt_sets.items()
+            }
+
+    before = alone_pass("before")
     with LlamaServer(engine, target_gguf, logs / "server-draft.log", records, draft_gguf, block, spec_type) as server:
         for (name, prompts), temperature in itertools.product(prompt_sets.items(), temperatures):
             bar = tqdm(prompts, desc=f"serve {name} {temperature_tag(temperature)}", unit="request")
             served[name, temperature] = [
                 server.complete(p, tokens, temperature, config.seed + i) for i, p in enumerate(bar)
             ]
-    with LlamaServer(engine, target_gguf, logs / "server-alone.log", records) as server:
-        for name, prompts in prompt_sets.items():
-            bar = tqdm(prompts, desc=f"serve {name} without the draft", unit="request")
-            alone[name, 0.0] = [server.complete(p, tokens) for p in bar]
+    after = alone_pass("after")
+    alone = {
+        key: [
+            replace(b, tokens_per_s=(b.tokens_per_s + a.tokens_per_s) / 2)
+            for b, a in zip(group, after[key], strict=True)
+        ]
+        for key, group in before.items()
+    }
     return served, alone
 
 
@@ -321,10 +338,21 @@ def served_metrics(served: Served, alone: Served, records: list[dict]) -> dict[s
         metrics[f"{name}_accepted_tokens_{tag}"] = sum(sum(c.accepted) for c in completions)
     for tag, lengths in by_tag.items():
         metrics[f"accepted_length_{tag}"], metrics[f"accepted_length_{tag}_se"] = mean_and_se(lengths)
-    speed = lambda runs: statistics.fmean(c.tokens_per_s for key, cs in runs.items() if key[1] == 0 for c in cs)  # noqa: E731
-    with_draft, without = speed(served), speed(alone)
-    metrics["tokens_per_s_draft"], metrics["tokens_per_s_alone"] = with_draft, without
-    metrics["speedup"] = with_draft / without if without else nan
+    greedy = [key for key in served if key[1] == 0]
+    with_draft = [c.tokens_per_s for key in greedy for c in served[key]]
+    without = [c.tokens_per_s for key in greedy for c in alone[key]]
+    metrics["tokens_per_s_draft"], metrics["tokens_per_s_alone"] = (
+        statistics.fmean(with_draft),
+        statistics.fmean(without),
+    )
+    # The mean speed with the draft over the mean without, paired by request: its interval is over requests.
+    speedup = ratio_estimate(with_draft, without)
+    metrics |= {
+        "speedup": speedup.value,
+        "speedup_se": speedup.se,
+        "speedup_low": speedup.low,
+        "speedup_high": speedup.high,
+    }
     compared = sum(r["cycles_compared"] for r in records)
     metrics["cycles_compared"] = compared
     metrics["agreement_cycle_fraction"] = sum(r["cycles_identical"] for r in records) / compared if compared else nan

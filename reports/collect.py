@@ -39,6 +39,10 @@ SERVED = {
     "served_flips": "lossless_flips_vs_engine",
     "served_flips_harness": "lossless_flips_vs_harness",
     **tracking.SERVED_OBJECTIVES,  # served_speedup, served_tokens_per_s: a served objective is its own column
+    # the speed-up's interval over requests (runs served before it was measured have none)
+    "served_speedup_se": "speedup_se",
+    "served_speedup_low": "speedup_low",
+    "served_speedup_high": "speedup_high",
     # the accepted length at which this draft's shape pays for itself on the serving machine (harness/break_even.py)
     "served_break_even": "break_even_accepted_length",
     "served_break_even_low": "break_even_accepted_length_low",

@@ -235,7 +235,7 @@ def served_regime(record: StudyRecord) -> str:
     )
     return (
         f"**Against the break-even.** Served by llama.cpp, the best run (`{best['run_name']}`) accepted "
-        f"{best['served_greedy']:.2f} tokens per cycle (speed-up {fmt(best['served_speedup'], 2)}) against a "
+        f"{best['served_greedy']:.2f} tokens per cycle (speed-up {speedup_text(best)}) against a "
         f"break-even of {break_even_text(best)}; {verdict}."
     )
 
@@ -671,7 +671,7 @@ def served_section(record: StudyRecord) -> str | None:
             fmt(run["served_greedy"]),
             f"{run['served_agreement']:.3f} of {int(run['served_cycles'])}",
             f"{int(run['served_flips'])} / {int(run['served_flips_harness'])}",
-            fmt(run["served_speedup"], 2),
+            speedup_text(run),
             break_even_text(run),
         ]
         for _, run in runs[runs["served_greedy"].notna()].iterrows()
@@ -689,6 +689,15 @@ def served_section(record: StudyRecord) -> str | None:
     )
     headers = ["run", "realized", "measured T=0", "served T=0", "cycles agreeing", "flips", "speed-up", "break-even"]
     return "## Served (llama.cpp)\n\n" + note + "\n\n" + table(headers, rows)
+
+
+def speedup_text(run) -> str:
+    """`0.87 [0.76, 0.99]`: the served speed-up with its interval over requests; the value alone for a run served
+    before the interval was measured."""
+    se = run.get("served_speedup_se", float("nan"))
+    if se is None or math.isnan(se):
+        return fmt(run["served_speedup"], 2)
+    return Estimate(run["served_speedup"], se, run["served_speedup_low"], run["served_speedup_high"], 0).text()
 
 
 def break_even_text(run) -> str:

@@ -248,6 +248,9 @@ def test_a_served_run_gets_its_column_and_its_agreement_line(tmp_path):
     section = markdown.split("## Served (llama.cpp)", 1)[1].split("\n## ", 1)[0]
     assert f"| `{served[0]['run_name']}` | 1.100 | – | 1.104 | 0.980 of 50 | 1 / 0 | 0.40 |" in section
     assert plain[0]["run_name"] not in section  # only runs an engine served
+    served[0].update(served_speedup_se=0.021, served_speedup_low=0.357, served_speedup_high=0.443)
+    section = render(_record([served, plain]), tmp_path).split("## Served (llama.cpp)", 1)[1]
+    assert "| 1 / 0 | 0.400 [0.357, 0.443] |" in section  # with its interval over requests, when it was measured
     without = render(_record([_run("dflash", 0, 1.10, 1.10, 1.50)]), tmp_path)
     assert "## Served" not in without and "served (llama.cpp)" not in without
 

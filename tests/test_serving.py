@@ -465,3 +465,55 @@ def test_more_metrics_than_one_mlflow_batch_holds_land_once_each_with_the_tags_l
     assert len([k for k in logged.metrics if k.startswith("x/")]) == 2500 and logged.tags["t"] == "done"
     assert len(tracking.client(tmp_path).get_metric_history(run.run_id, "x/m7")) == 1
     mlflow.set_tracking_uri("")
+
+
+def test_each_request_is_timed_alone_before_and_after_the_draft_and_the_speed_up_has_an_interval(tmp_path):
+    """A machine that slows down while it serves: alone runs 100 then 80 tokens/s around the draft's 120, so the
+    paired baseline is 90, not the 80 a pass after the draft alone would give (a flattering 1.5x)."""
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from harness import served
+    from harness.serving import Completion
+
+    launches = []
+
+    class Scripted:
+        """A llama-server whose speed depends on which launch this is: alone, with the draft, alone again."""
+
+        def __init__(self, engine, model, log, records, *drafter, **options):
+            launches.append(log.name)
+            self.speeds = {"server-alone-before.log": 100.0, "server-draft.log": 120.0}.get(log.name, 80.0)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def complete(self, prompt, tokens, *args, **kwargs):
+            return Completion(list(prompt), accepted=[1, 2], drafted=[3, 3], tokens_per_s=self.speeds + len(prompt))
+
+    run = SimpleNamespace(path=lambda name: tmp_path / name, workdir=tmp_path)
+    sets = {"chat": [[1], [1, 2], [1, 2, 3]]}
+    with (
+        mock.patch.object(served, "LlamaServer", Scripted),
+        mock.patch.object(served, "served_shape", lambda d: (3, "dflash")),
+    ):
+        with_draft, alone = served.serve_prompts(
+            None,
+            run,
+            (tmp_path / "t.gguf", tmp_path / "d.gguf"),
+            None,
+            sets,
+            [0.0],
+            SimpleNamespace(max_new_tokens=8, seed=0),
+        )
+    assert launches == ["server-alone-before.log", "server-draft.log", "server-alone-after.log"]
+    assert [c.tokens_per_s for c in alone["chat", 0.0]] == [91.0, 92.0, 93.0]  # (100 + n + 80 + n) / 2
+    metrics = served.served_metrics(with_draft, alone, [])
+    assert metrics["speedup"] == pytest.approx(366 / 276) and metrics["tokens_per_s_alone"] == pytest.approx(92.0)
+    # Each request's influence (draft - R * alone) / sum(alone) = (1 - R) * (-1, 0, +1) / 276, R = 366 / 276; the
+    # clustered se is sqrt(n / (n - 1) * sum of squares) = |1 - R| / 276 * sqrt(3)
+    assert metrics["speedup_se"] == pytest.approx(abs(1 - 366 / 276) / 276 * 3**0.5, rel=1e-9)
+    assert metrics["speedup_low"] < metrics["speedup"] < metrics["speedup_high"]
