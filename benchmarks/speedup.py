@@ -219,7 +219,7 @@ def break_evens(engine, model, drafts: list[Served], prompts, logs: Path, record
             lengths=break_even.synthetic_lengths(draft.block, 5),
         )
         lines.append(
-            f"Break-even of a block-{draft.block + 1} {draft.spec_type} draft on this target: accepted length "
+            f"Break-even of a block-{draft.block + 1} draft (`{draft.spec_type}`) on this target: accepted length "
             f"{found.text()} (cycle cost {found.cycle_cost:.2f} plain tokens)."
         )
     return lines
