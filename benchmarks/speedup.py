@@ -26,6 +26,7 @@ from harness.data import prepare_documents
 from harness.evaluate import chat_prompt_ids, mtbench_records, prompt_ids
 from harness.run import SERVED_DIR, Run, server_records
 from harness.served import accepted_length, draft_gguf, served_shape
+from harness.served import bracketed as bracketed_completions
 from harness.serving import Completion, Engine, LlamaServer, find_engine, target_gguf
 from harness.targets import embedded_gguf_path, load_target
 from harness.train import checkpoint_config, restore_draft
@@ -55,11 +56,9 @@ def serve_all(
 
 
 def bracketed(before: dict[str, list[Completion]], after: dict[str, list[Completion]]) -> dict[str, list[float]]:
-    """Each prompt's tokens/s with the target alone: the mean of a pass before the drafts and one after, so a
-    machine that speeds up or slows down during the launch moves the baseline with it."""
+    """Each prompt's tokens/s with the target alone: the mean of a pass before the drafts and one after."""
     return {
-        category: [(b.tokens_per_s + a.tokens_per_s) / 2 for b, a in zip(group, after[category], strict=True)]
-        for category, group in before.items()
+        category: [c.tokens_per_s for c in group] for category, group in bracketed_completions(before, after).items()
     }
 
 

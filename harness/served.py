@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -247,9 +248,8 @@ def serve_prompts(
     temperatures: list,
     config,
 ) -> tuple[Served, Served]:
-    """Every prompt through the target alone, then with the draft at each temperature, then alone again: each
-    request's speed alone is the mean of the two passes, so a machine that speeds up or slows down while it
-    serves moves the baseline with it (the completion itself is the first pass's)."""
+    """Every prompt through the target alone, then with the draft at each temperature, then alone again (the two
+    alone passes `bracketed`)."""
     (target_gguf, draft_gguf), (block, spec_type) = ggufs, served_shape(draft)
     logs = run.path(SERVED_DIR)
     served: Served = {}
@@ -273,15 +273,20 @@ def serve_prompts(
             served[name, temperature] = [
                 server.complete(p, tokens, temperature, config.seed + i) for i, p in enumerate(bar)
             ]
-    after = alone_pass("after")
-    alone = {
+    return served, bracketed(before, alone_pass("after"))
+
+
+def bracketed(before: dict[Any, list[Completion]], after: dict[Any, list[Completion]]) -> dict[Any, list[Completion]]:
+    """Each request served alone before the draft and again after it, as one: the first pass's completion at the
+    mean of the two passes' tokens/s, so a machine that speeds up or slows down meanwhile moves the baseline with
+    it."""
+    return {
         key: [
             replace(b, tokens_per_s=(b.tokens_per_s + a.tokens_per_s) / 2)
             for b, a in zip(group, after[key], strict=True)
         ]
         for key, group in before.items()
     }
-    return served, alone
 
 
 def compare_requests(

@@ -16,6 +16,7 @@ from pathlib import Path
 import mlflow
 
 from algorithms.metrics import ACCEPTED_LENGTHS, DRAFT_STEP_MS, REALIZED_ACCEPTED_LENGTH, SE_SUFFIX
+from harness.files import file_lock
 from harness.layout import ARTIFACTS, MLFLOW_STORE
 
 log = logging.getLogger(__name__)
@@ -167,11 +168,7 @@ def ensure_store(workdir: Path) -> None:
     uri = tracking_uri(workdir)
     if "MLFLOW_TRACKING_URI" in os.environ or uri in _ready_stores:
         return
-    import fcntl
-
-    workdir.mkdir(parents=True, exist_ok=True)
-    with open(workdir / STORE_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with file_lock(workdir / STORE_LOCK, "creating the MLflow store"):
         mlflow.MlflowClient(uri).search_experiments(max_results=1)
     _ready_stores.add(uri)
 
