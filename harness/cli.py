@@ -354,6 +354,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         except ValueError as error:
             raise SystemExit(f"error: {error}") from None
     run = located_run(args)
+    if engine is not None:
+        check_served_writable(run)
     state = run.load_checkpoint()
     config = checkpoint_config(state)
     if engine is not None:
@@ -388,6 +390,21 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     print(f"logged to MLflow run {run.run_id}; per-request records in {run.path(EVAL_RECORDS_FILE)}")
     print(f"MLflow UI: {tracking.run_link(run.workdir, run.run_id)}")
     return 0
+
+
+def check_served_writable(run) -> None:
+    """The folders serving writes into (the run's served files, the work directory's converted target and server
+    records) are tried before anything loads: a read-only one is refused in one line, as a read-only work
+    directory is."""
+    from harness.files import check_writable
+    from harness.run import SERVED_DIR, SERVING_LOCK_FILE
+
+    hint = " (make it writable, or serve from a copy of the work directory)"
+    for folder, what in [
+        (run.path(SERVED_DIR), f"run {run.name}'s served folder"),
+        (run.workdir / SERVED_DIR, "the work directory's served folder"),
+    ]:
+        check_writable(folder, "served folder", what=what, store_files=(SERVING_LOCK_FILE,), hint=hint)
 
 
 def served_engine(args: argparse.Namespace):
@@ -451,13 +468,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from harness.files import file_lock
     from harness.run import SERVED_DIR, SERVING_LOCK_FILE, server_records
     from harness.served import check_servable, check_served_format, gguf_files, served_shape
-    from harness.serving import ENGINE, EngineError, LlamaServer
+    from harness.serving import ENGINE, EngineError, LlamaServer, check_port_free
     from harness.targets import load_target
     from harness.train import checkpoint_config, restore_draft
 
+    if args.port is not None:
+        check_port_free(args.port)  # before anything loads: a taken port is refused, never silently moved
     args.engine = ENGINE
     engine = served_engine(args)
     run = located_run(args)
+    check_served_writable(run)
     state = run.load_checkpoint()
     config = checkpoint_config(state)
     check_served_format(config.algorithm.entry)
@@ -528,7 +548,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_system_metrics(train)
     add_distributed_options(train)
-    train.set_defaults(handler=cmd_train, writes=True)
+    train.set_defaults(handler=cmd_train, writes=True, on_sigterm=TRAIN_ON_SIGTERM)
 
     prepare = commands.add_parser(
         "prepare",
@@ -685,6 +705,18 @@ def check_outputs_writable(args: argparse.Namespace) -> None:
         check_writable(args.out, "--out", what="the output directory", hint=" (pass another --out)")
 
 
+TRAIN_ON_SIGTERM = "the run is recorded interrupted, and `train ... --resume` continues it from its last checkpoint"
+
+
+def sigterm_remedy(args: argparse.Namespace) -> str:
+    """What to do after a SIGTERM: the command's own remedy where it has one (train, study launch), else the same
+    command again (evaluate, serve, export: each starts over, reusing what it finished and cached)."""
+    import shlex
+
+    own = getattr(args, "on_sigterm", None)
+    return own or f"finished work is kept; run the same command again: dflash-lab {shlex.join(args.argv)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     track_stderr_lines()
@@ -717,10 +749,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except KeyboardInterrupt as stop:
         if isinstance(stop, Preempted):
-            print_error(
-                "error: terminated (SIGTERM); finished work is kept: a run is recorded interrupted "
-                "(`train ... --resume` continues it) and launching a study again resumes its trial"
-            )
+            print_error(f"error: terminated (SIGTERM); {sigterm_remedy(args)}")
             return SIGTERM_EXIT
         print_error("error: interrupted (Ctrl-C); finished work is kept and resumes where it stopped")
         return 130

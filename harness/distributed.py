@@ -6,7 +6,6 @@ and every helper here is then a no-op, so training has one code path.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import logging
 import os
@@ -24,6 +23,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from harness.children import dying_with_this_process
 from harness.files import remove
 from harness.preemption import JOB_STOPPING_ENV, LAUNCHED_RUN_ENV, RankStopped
 
@@ -124,7 +124,7 @@ def run_ranks(
     def started_run() -> Path | None:
         return Path(json.loads(launched.read_text())["directory"]) if launched.exists() else None
 
-    job = subprocess.Popen(command, env=environment, preexec_fn=_die_with_parent)
+    job = subprocess.Popen(command, env=environment, preexec_fn=dying_with_this_process(signal.SIGTERM))
     try:
         try:
             status = job.wait()
@@ -154,11 +154,6 @@ def stop_job(job: subprocess.Popen, grace_s: float = 60.0) -> None:
     except subprocess.TimeoutExpired:
         job.kill()
         job.wait()
-
-
-def _die_with_parent() -> None:
-    if sys.platform == "linux":
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def launched_by_torchrun() -> bool:

@@ -25,11 +25,13 @@ def atomic_write(path: Path, write: Callable[[Path], Any]) -> None:
     """`write(tmp)` creates a file or directory beside `path`; it then replaces `path` in one rename.
 
     An existing directory at `path` is moved aside first and removed only after the new one is in place.
-    A failed or interrupted write leaves no temporary behind (a kill -9 leaves `<name>.tmp<pid>`).
+    A failed or interrupted write leaves no temporary behind; a kill -9 leaves `<name>.tmp<pid>`, which the next
+    write of `path` removes (a live writer's is kept).
     """
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     aside = path.with_name(f"{path.name}.old{os.getpid()}")
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent, of=path.name)
     remove(tmp)
     try:
         write(tmp)
@@ -83,12 +85,15 @@ def process_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_temporaries(directory: Path) -> list[Path]:
-    """Delete the temporaries that killed processes left in `directory`; a live writer's are kept."""
+def remove_stale_temporaries(directory: Path, of: str | None = None) -> list[Path]:
+    """Delete the temporaries that killed processes left in `directory` (only those of the file named `of`, when
+    given); a live writer's are kept."""
     stale = [
         path
         for path in (sorted(directory.iterdir()) if directory.is_dir() else [])
-        if (match := TEMPORARY.search(path.name)) and not process_alive(int(match.group(2)))
+        if (match := TEMPORARY.search(path.name))
+        and (of is None or path.name[: match.start()] == of)
+        and not process_alive(int(match.group(2)))
     ]
     for path in stale:
         log.info("removing %s, left by a process that no longer runs", path)

@@ -32,7 +32,16 @@ from harness.evaluate import instruction_set, prompt_sets, temperature_tag
 from harness.export import NoPeerFormat, export_checkpoint, peer_format
 from harness.files import atomic_write, file_lock
 from harness.run import DRAFT_GGUF_FILE, SERVED_DIR, SERVED_RECORDS_FILE, SERVING_LOCK_FILE, Run, server_records
-from harness.serving import ENGINE, Completion, Engine, EngineError, LlamaServer, target_gguf, to_gguf
+from harness.serving import (
+    ENGINE,
+    Completion,
+    Engine,
+    EngineError,
+    LlamaServer,
+    check_prompts_fit,
+    target_gguf,
+    to_gguf,
+)
 from harness.targets import Target
 from harness.tracking import TAG_SERVED_REASON, TAG_SERVED_STATUS, RunStatus
 from harness.uncertainty import mean_estimate, ratio_estimate
@@ -196,6 +205,7 @@ def serve_and_compare(
     """Serve the run's draft and the target alone; decode the same prompts with the harness; compare."""
     check_servable(draft)
     sets = prompt_sets(target.tokenizer, chat_documents, config)
+    check_prompts_fit(sets, config.max_new_tokens)
     temperatures = sorted({0.0, *config.temperatures})  # T = 0 always: the cycle-by-cycle check needs it
     ggufs = gguf_files(engine, run, draft, target)  # checked once: each check reads the whole target GGUF
     served, alone = serve_prompts(engine, run, ggufs, draft, sets, temperatures, config)

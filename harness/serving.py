@@ -7,8 +7,6 @@ outlives the process that started it. What the served numbers are compared again
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import http.client
 import json
 import logging
@@ -25,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from harness.children import dying_with_this_process
 from harness.files import atomic_write, file_lock, file_sha256, process_alive, remove
 from harness.run import SERVED_DIR
 
@@ -38,6 +37,7 @@ ENGINE = "llama.cpp"
 CACHE_ENV = "DFLASH_LAB_CACHE"
 SETUP_COMMAND = "bash scripts/setup.sh"
 START_TIMEOUT_S = 120.0
+CONTEXT = 4096  # a server's context in tokens, shared by its slots
 REQUEST_TIMEOUT_S = 600.0
 # With LLAMA_TRACE set, the server logs every verify step: "... | task 3 | accepted  2/ 7 draft tokens".
 CYCLE_LINE = re.compile(r"\| task (?P<task>\d+) \| accepted +(?P<accepted>\d+)/ *(?P<drafted>\d+) draft tokens")
@@ -157,10 +157,18 @@ def to_gguf(
         stamp: dict = {}
 
         def convert(tmp: Path) -> None:
-            done = subprocess.run([*command, "--outfile", str(tmp)], capture_output=True, text=True, env=env)
+            done = subprocess.run(
+                [*command, "--outfile", str(tmp)],
+                capture_output=True,
+                text=True,
+                env=env,
+                preexec_fn=dying_with_this_process(),
+            )
             if done.returncode != 0:
-                lines = [line for line in (done.stderr + done.stdout).strip().splitlines() if line.strip()]
-                raise EngineError(f"converting {what} to GGUF failed: {lines[-1] if lines else done.returncode}")
+                cause = (
+                    converter_error(done.stderr, done.stdout) or f"the converter exited with status {done.returncode}"
+                )
+                raise EngineError(f"converting {what} to GGUF in {out.parent} failed: {cause}")
             stamp.update(gguf_stamp(tmp))
 
         atomic_write(out, convert)
@@ -168,10 +176,41 @@ def to_gguf(
     return out
 
 
+# A Python exception's closing line (`OSError: [Errno 28] No space left on device`), which the converter's progress
+# bar may redraw after: its last line is then the bar, not the cause.
+EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Exit)\b.*$")
+PROGRESS_LINE = re.compile(r"\d+%\|")
+
+
+def converter_error(stderr: str, stdout: str) -> str | None:
+    """The line that says why a conversion failed: its last exception line, else its last line that is not a
+    progress bar's (a bar redraws with carriage returns); None when it printed nothing."""
+    lines = [line.strip() for text in (stderr, stdout) for line in re.split(r"[\r\n]+", text) if line.strip()]
+    for line in reversed(lines):
+        if EXCEPTION_LINE.match(line):
+            return line
+    words = [line for line in lines if not PROGRESS_LINE.search(line)]
+    return words[-1] if words else None
+
+
 def target_gguf(engine: Engine, workdir: Path, target: Target) -> Path:
     """The target as an f32 GGUF, converted once per work directory (keyed by its weights)."""
     out = workdir / SERVED_DIR / f"target-{target.weights_hash}-f32.gguf"
     return to_gguf(engine, Path(target.source), out, "the target")
+
+
+def check_prompts_fit(prompt_sets: dict[str, list[list[int]]], n_predict: int, context: int = CONTEXT) -> None:
+    """Refuse, before any server starts, a prompt that cannot fit a slot's context with its reply: the server would
+    answer it only with `400 Bad Request`, its reason in its log."""
+    room = context - n_predict
+    for name, prompts in prompt_sets.items():
+        for index, prompt in enumerate(prompts):
+            if len(prompt) > room:
+                raise EngineError(
+                    f"invalid prompt {index} of the {name} prompts: {len(prompt)} tokens, which with "
+                    f"{n_predict} new tokens exceed the server's {context}-token context; allowed prompts of at most "
+                    f"{room} tokens (shorten it, or ask for fewer new tokens)"
+                )
 
 
 def free_port() -> int:
@@ -190,21 +229,6 @@ class Completion:
     tokens_per_s: float = float("nan")
     draft_n: int = 0
     draft_n_accepted: int = 0
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-# Resolved here, in the parent: the child between fork and exec only calls it (loading a library there could wait
-# forever on a lock another thread of the parent held at the fork).
-PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
-
-
-def die_with_parent(parent: int) -> None:
-    """Run in the server's process between fork and exec: the kernel sends it SIGKILL when its parent dies, however
-    the parent dies (SIGKILL included). Should the parent (`parent`, its pid before the fork) already be gone, exit
-    at once: the signal would never come. The signal follows the thread that started the child, so a server is
-    started and stopped by one thread."""
-    if PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() != parent:
-        os._exit(1)
 
 
 def start_time(pid: int) -> str | None:
@@ -271,7 +295,7 @@ class LlamaServer:
         port: int | None = None,
         synthetic_length: float | None = None,
         slots: int = 1,
-        context: int = 4096,
+        context: int = CONTEXT,
     ) -> None:
         self.engine, self.model, self.draft, self.log_path = engine, model, draft, log_path
         self.records = records
@@ -310,15 +334,26 @@ class LlamaServer:
 
     def __enter__(self) -> LlamaServer:
         stop_orphans(self.records)
+        if self.port is not None:  # asked for: refused when taken, never moved
+            check_port_free(self.port)
+            try:
+                self._start()
+            except PortTaken:
+                self.stop()
+                raise EngineError(port_taken(self.port)) from None
+            except BaseException:  # a failed or interrupted start leaves nothing running
+                self.stop()
+                raise
+            return self
         for _ in range(3):  # a port another process took between the probe and the bind: another port
-            self.port = self.port or free_port()
+            self.port = free_port()
             try:
                 self._start()
                 return self
             except PortTaken:
                 self.stop()
                 self.port = None
-            except BaseException:  # a failed or interrupted start leaves nothing running
+            except BaseException:
                 self.stop()
                 raise
         raise EngineError(f"llama-server found no free port on 127.0.0.1 (log: {self.log_path})")
@@ -327,9 +362,8 @@ class LlamaServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "w") as log:
             env = {**os.environ, "LLAMA_TRACE": "1"}  # one log line per verify step
-            preexec = functools.partial(die_with_parent, os.getpid()) if PRCTL is not None else None
             self.process = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=preexec
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=dying_with_this_process()
             )
         self._record()
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -338,6 +372,9 @@ class LlamaServer:
                 tail = self.log_tail()
                 if "bind" in tail and ("in use" in tail or "couldn't" in tail):
                     raise PortTaken
+                if self.process.returncode < 0:
+                    number = -self.process.returncode
+                    raise ServerKilled(self.died_at_start(number), signal_name(number))
                 raise EngineError(f"llama-server exited with status {self.process.returncode}: {tail}")
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as answer:
@@ -347,6 +384,19 @@ class LlamaServer:
                 pass
             time.sleep(0.5)
         raise EngineError(f"llama-server did not answer within {START_TIMEOUT_S:.0f} s: {self.log_tail()}")
+
+    def died_at_start(self, number: int) -> str:
+        """The line for a server killed by a signal while it loaded its model: the signal, and the remedy."""
+        name = signal_name(number)
+        if number == signal.SIGILL:
+            remedy = (
+                f"this engine build uses an instruction this CPU refuses (AMX or AVX-512 kernels, which only "
+                f"quantized models reach); run `{SETUP_COMMAND}`: it tests the build on a quantized model and "
+                f"rebuilds it without what fails"
+            )
+        else:
+            remedy = f"its last lines: {self.log_tail()}"
+        return f"llama-server was killed by {name} while loading {self.model.name}: {remedy} (log: {self.log_path})"
 
     def _record(self) -> None:
         record = {
@@ -399,7 +449,7 @@ class LlamaServer:
             status = None
         if status is None:
             return EngineError(f"llama-server at {self.url} failed a request ({error}); log: {self.log_path}")
-        how = f"killed by signal {-status}" if status < 0 else f"exited with status {status}"
+        how = f"killed by signal {-status} ({signal_name(-status)})" if status < 0 else f"exited with status {status}"
         return EngineError(f"llama-server died during a request ({how}): {self.log_tail()} (log: {self.log_path})")
 
     def complete(
@@ -442,3 +492,37 @@ class LlamaServer:
 
 class PortTaken(Exception):
     """The server could not bind its port."""
+
+
+class ServerKilled(EngineError):
+    """The server was killed by a signal while it loaded its model (an instruction this CPU refuses, most often)."""
+
+    def __init__(self, message: str, signal_name: str) -> None:
+        super().__init__(message)
+        self.signal_name = signal_name
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def port_taken(port: int) -> str:
+    return (
+        f"invalid --port={port}: 127.0.0.1:{port} is already in use; allowed a free port (or no --port: one is chosen)"
+    )
+
+
+def check_port_free(port: int) -> None:
+    """Refuse, in one line, a port asked for that is not one or that another process listens on."""
+    if not 1 <= port <= 65535:
+        raise EngineError(f"invalid --port={port}: allowed 1-65535")
+    with socket.socket() as probe:
+        # as the server binds: a port whose last connection is still in TIME_WAIT is free, a listened one is not
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            raise EngineError(port_taken(port)) from None

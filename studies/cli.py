@@ -190,7 +190,11 @@ def add_study_command(commands, add_common) -> None:
     launch.add_argument(
         "--system-metrics", action="store_true", help="also log CPU/GPU/memory series (system/*) with every run"
     )
-    launch.set_defaults(handler=cmd_launch, writes=True)
+    launch.set_defaults(
+        handler=cmd_launch,
+        writes=True,
+        on_sigterm="the running trial's run is recorded interrupted, and launching the study again resumes it",
+    )
 
     status = sub.add_parser("status", help="trials of one study with states, values and reasons")
     add_common(status)

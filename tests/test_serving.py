@@ -4,7 +4,9 @@ tests/test_decode_e2e.py."""
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,14 +27,20 @@ from harness.serving import (
     to_gguf,
 )
 
-from conftest import gone, tiny_draft
+from conftest import gone, one_line, tiny_draft
 
 # A stand-in llama-server: answers /health on its port, or fails the way the real one does.
 FAKE_SERVER = """\
 #!{python}
-import http.server, json, os, sys
+import http.server, json, os, signal, sys
 args = sys.argv[1:]
 port = int(args[args.index("--port") + 1])
+# A CPU whose AMX (or AVX-512) instructions fault: a build that kept them dies loading a model, as a native build
+# does on such a machine (BUILT_WITH, the build's compiler flags, is set by the stand-in cmake below).
+faults = {{"amx": ["-mno-amx-tile"], "amx+avx512": ["-mno-amx-tile", "-mno-avx512f"]}}
+needed = faults.get(os.environ.get("FAKE_CPU_FAULTS", ""), [])
+if any(flag not in globals().get("BUILT_WITH", "") for flag in needed):
+    os.kill(os.getpid(), signal.SIGILL)
 if os.environ.get("FAKE_MODE") == "broken":
     print("llama_model_load: error loading model: tensor 'output.weight' not found", flush=True)
     print("main: exiting due to model loading error", flush=True)
@@ -50,7 +58,8 @@ class Health(http.server.BaseHTTPRequestHandler):
         # A known truth for the break-even: a cycle costs 3.5 plain tokens, so tokens/s = 100 L / 3.5 at
         # synthetic accepted length L (an integer here: every cycle accepts L - 1), and 100 without a draft; the
         # prompt's length moves each request's speed by a percent either way.
-        prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["prompt"]
         speed = 100.0 * (1 + 0.01 * (len(prompt) % 3 - 1))
         if "--spec-synth-len" in args:
             length = float(args[args.index("--spec-synth-len") + 1])
@@ -58,7 +67,7 @@ class Health(http.server.BaseHTTPRequestHandler):
                 print(f"slot | task 0 | accepted  {{int(length) - 1}}/ 7 draft tokens", flush=True)
             speed *= length / 3.5
         print("slot print_timing: id  0 | task 0 |", flush=True)
-        reply = {{"tokens": [1], "timings": {{"predicted_per_second": speed}}}}
+        reply = {{"tokens": [1] * body["n_predict"], "timings": {{"predicted_per_second": speed}}}}
         self.send_response(200); self.end_headers(); self.wfile.write(json.dumps(reply).encode())
     def log_message(self, *args):
         pass
@@ -78,10 +87,14 @@ if mode == "ok":
     with open(args[args.index("--outfile") + 1], "wb") as out:
         out.write(b"GGUF" + bytes(range(256)) * 64)
     sys.exit(0)
-if mode == "full":
+if mode == "full":  # as the real converter ends on a full disk: its bar is redrawn after the traceback
+    print("INFO:hf-to-gguf:Model successfully exported", flush=True)
     with open(args[args.index("--outfile") + 1], "wb") as out:
         out.write(b"GGUF" + bytes(1000))
+    print("Writing:  12%|#2        | 64.0M/540M [00:01<00:07]\\r", end="", file=sys.stderr)
+    print("Traceback (most recent call last):", file=sys.stderr)
     print("OSError: [Errno 28] No space left on device", file=sys.stderr)
+    print("Writing:  76%|#######6  | 412M/540M [00:03<00:01]\\r", end="", file=sys.stderr)
     sys.exit(1)
 print("INFO:hf-to-gguf:Loading model: draft", file=sys.stderr)
 print("ValueError: DFlash draft model requires --target-model-dir to be specified.", file=sys.stderr)
@@ -120,7 +133,7 @@ def test_a_failed_conversion_names_what_and_the_converters_last_line(engine, tmp
     with pytest.raises(EngineError) as failed:
         to_gguf(engine, tmp_path, tmp_path / "draft.gguf", "run my-run")
     assert str(failed.value) == (
-        "converting run my-run to GGUF failed: "
+        f"converting run my-run to GGUF in {tmp_path} failed: "
         "ValueError: DFlash draft model requires --target-model-dir to be specified."
     )
     assert [p.name for p in tmp_path.glob("draft.gguf*")] == ["draft.gguf.lock"], "no half-written GGUF is left"
@@ -136,15 +149,33 @@ def test_a_server_that_does_not_start_gives_its_last_log_lines_and_leaves_nothin
     assert server.process is None
 
 
-def test_a_taken_port_moves_to_another(engine, tmp_path, monkeypatch):
-    busy = free_port()
+def test_a_chosen_port_taken_before_the_bind_moves_to_another(engine, tmp_path, monkeypatch):
+    import harness.serving
+
+    busy, spare = free_port(), free_port()
     monkeypatch.setenv("FAKE_BUSY_PORT", str(busy))
-    with LlamaServer(
-        engine, tmp_path / "model.gguf", tmp_path / "server.log", tmp_path / "servers", port=busy
-    ) as server:
-        assert server.port != busy and server.process.poll() is None
+    chosen = iter([busy, spare])
+    monkeypatch.setattr(harness.serving, "free_port", lambda: next(chosen))
+    with LlamaServer(engine, tmp_path / "model.gguf", tmp_path / "server.log", tmp_path / "servers") as server:
+        assert server.port == spare and server.process.poll() is None
         process = server.process
     assert process.poll() is not None, "the server is stopped on leaving the block"
+
+
+def test_a_port_asked_for_and_taken_is_refused_never_moved(engine, tmp_path, cli):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        busy = listener.getsockname()[1]
+        server = LlamaServer(engine, tmp_path / "model.gguf", tmp_path / "server.log", tmp_path / "servers", port=busy)
+        with pytest.raises(EngineError) as failed, server:
+            pass
+        expected = f"invalid --port={busy}: 127.0.0.1:{busy} is already in use; allowed a free port"
+        assert str(failed.value).startswith(expected) and server.process is None
+        # the command refuses it before it looks for the run or loads anything
+        line = one_line(cli(["serve", "no-such-run", "--port", str(busy), "--workdir", str(tmp_path / "work")]))
+        assert line.startswith(f"error: {expected}")
+    assert "allowed 1-65535" in one_line(cli(["serve", "x", "--port", "70000", "--workdir", str(tmp_path)]))
 
 
 def test_a_member_without_an_export_format_is_refused_in_one_line():
@@ -337,8 +368,139 @@ def test_a_disk_that_fills_during_conversion_leaves_no_file_to_reuse(engine, tmp
     out = tmp_path / "served" / "draft-f32.gguf"
     with pytest.raises(EngineError) as failed:
         to_gguf(engine, tmp_path, out, "run my-run")
-    assert str(failed.value) == "converting run my-run to GGUF failed: OSError: [Errno 28] No space left on device"
+    assert str(failed.value) == (
+        f"converting run my-run to GGUF in {out.parent} failed: OSError: [Errno 28] No space left on device"
+    ), "the converter's error, not its progress bar redrawn after it"
     assert sorted(p.name for p in out.parent.iterdir()) == ["draft-f32.gguf.lock"], "no partial GGUF, no stamp"
+
+
+def test_a_conversion_removes_a_dead_writers_temporary_and_keeps_a_live_ones(engine, converting, tmp_path):
+    out = tmp_path / "served" / "target-f32.gguf"
+    out.parent.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    live = subprocess.Popen(["sleep", "60"])
+    try:
+        stale_file, stale_dir = out.with_name(f"{out.name}.tmp{dead.pid}"), out.with_name(f"{out.name}.old{dead.pid}")
+        kept = out.with_name(f"{out.name}.tmp{live.pid}")
+        other = out.with_name(f"draft-f32.gguf.tmp{dead.pid}")  # another file's: its own next write removes it
+        for path in (stale_file, kept, other):
+            path.write_bytes(b"GGUF half")
+        stale_dir.mkdir()
+        to_gguf(engine, tmp_path, out, "the target")
+        assert not stale_file.exists() and not stale_dir.exists(), "a killed writer's temporaries are removed"
+        assert kept.exists(), "a live writer's temporary is never touched"
+        assert other.exists()
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_killed_conversion_leaves_no_converter_running(engine, converting, tmp_path, monkeypatch):
+    """The converter is started with the parent-death signal, as the server is: SIGKILL of the process converting
+    ends it too, instead of leaving it to load (minutes, for a real target) and write on its own."""
+    import psutil
+
+    monkeypatch.setenv("FAKE_CONVERT_SECONDS", "60")
+    code = (
+        "import sys; from pathlib import Path; from harness.serving import find_engine, to_gguf; "
+        "to_gguf(find_engine(), Path(sys.argv[1]), Path(sys.argv[1]) / 'served' / 'target-f32.gguf', 'the target')"
+    )
+    converting_process = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (children := psutil.Process(converting_process.pid).children()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert children and "convert_hf_to_gguf.py" in " ".join(children[0].cmdline())
+    finally:
+        converting_process.kill()
+        converting_process.wait()
+    assert gone(children[0].pid, within_s=2), "the converter outlived the process that started it"
+
+
+def test_a_server_killed_by_sigill_while_loading_names_the_signal_and_the_setup(engine, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_CPU_FAULTS", "amx")
+    server = LlamaServer(engine, tmp_path / "model.Q4_1.gguf", tmp_path / "server.log", tmp_path / "servers")
+    with pytest.raises(EngineError) as failed, server:
+        pass
+    message = str(failed.value)
+    assert message.startswith("llama-server was killed by SIGILL while loading model.Q4_1.gguf: ")
+    assert "run `bash scripts/setup.sh`" in message and "rebuilds it without what fails" in message
+    assert server.process is None
+
+
+# A stand-in cmake: configuring records the compiler flags; building writes the stand-in server with them
+# (BUILT_WITH) and appends them to FAKE_BUILDS.
+FAKE_CMAKE = """\
+#!{python}
+import os, sys
+from pathlib import Path
+args = sys.argv[1:]
+if args[0] == "--build":
+    build = Path(args[1])
+    flags = (build / "flags").read_text()
+    (build / "bin").mkdir(parents=True, exist_ok=True)
+    server = build / "bin" / "llama-server"
+    shebang, body = Path(os.environ["FAKE_SERVER_TEMPLATE"]).read_text().split("\\n", 1)
+    server.write_text(f"{{shebang}}\\nBUILT_WITH = {{flags!r}}\\n{{body}}")
+    server.chmod(0o755)
+    with open(os.environ["FAKE_BUILDS"], "a") as builds:
+        builds.write(flags + "\\n")
+else:
+    build = Path(args[args.index("-B") + 1])
+    build.mkdir(parents=True, exist_ok=True)
+    (build / "flags").write_text(next(a.split("=", 1)[1] for a in args if a.startswith("-DCMAKE_C_FLAGS=")))
+"""
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def test_setup_rebuilds_an_engine_that_dies_on_a_quantized_model_without_the_instruction_set_that_failed(
+    engine, tmp_path
+):
+    """On a CPU whose AMX faults (as a 2-core Xeon's did: SIGILL at its first tile instruction, on every quantized
+    target) the native build fails the setup's proof and is rebuilt without AMX, which then serves; the choice
+    is recorded beside the COMMIT stamp and the cached build is reused. A cached build that fails the proof later
+    (here: AVX-512 faults too) is rebuilt, not reused."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    for name, text in [("cmake", FAKE_CMAKE.format(python=sys.executable)), ("ninja", "#!/bin/sh\nexit 1\n")]:
+        (tools / name).write_text(text)
+        (tools / name).chmod(0o755)
+    template = tmp_path / "server-template"
+    template.write_text(FAKE_SERVER.format(python=sys.executable))
+    builds = tmp_path / "builds"
+    script = Path(__file__).parent.parent / "scripts" / "llama_cpp.sh"
+    sdist_sha256 = re.search(r"^SDIST_SHA256=(\w+)", script.read_text(), re.M).group(1)
+    (engine.root / "src" / ".sdist-sha256").write_text(sdist_sha256 + "\n")  # the source is there: no download
+    (engine.root / "COMMIT").unlink()  # a fresh setup
+
+    def setup(faults: str) -> subprocess.CompletedProcess:
+        env = {
+            **os.environ,
+            "PATH": f"{tools}:{os.environ['PATH']}",
+            "DFLASH_LAB_CACHE": str(engine.root.parent.parent),
+            "FAKE_SERVER_TEMPLATE": str(template),
+            "FAKE_BUILDS": str(builds),
+            "FAKE_CPU_FAULTS": faults,
+        }
+        done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done
+
+    first = setup("amx")
+    assert "llama-server died by SIGILL serving a quantized model; rebuilding without AMX" in first.stdout
+    assert "llama-server built without AMX" in first.stdout
+    assert builds.read_text().splitlines() == ["", NO_AMX]
+    assert (engine.root / "CPU_FLAGS").read_text().splitlines() == [NO_AMX, "left out: AMX"]
+    assert find_engine().commit.startswith("0c1e57098")
+
+    again = setup("amx")
+    assert "llama-server found (cached)" in again.stdout and len(builds.read_text().splitlines()) == 2
+
+    moved = setup("amx+avx512")  # the cached build now fails its proof
+    assert "rebuilding without AMX and AVX-512" in moved.stdout
+    assert builds.read_text().splitlines()[-1] == f"{NO_AMX} -mno-avx512f"
+    assert (engine.root / "CPU_FLAGS").read_text().splitlines()[1] == "left out: AMX and AVX-512"
 
 
 # ---- the break-even (harness/break_even.py) -----------------------------------------------------------------
