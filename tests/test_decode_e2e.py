@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -18,8 +19,9 @@ from harness import tracking
 from harness.config import EvalConfig
 from harness.decode import speculative_generate, target_greedy
 from harness.evaluate import evaluate, mtbench_questions, prompt_ids
+from harness.files import remove
 
-from conftest import E2E_MEMBERS, e2e_run_config, gone, started_server
+from conftest import E2E_MEMBERS, e2e_run_config, gone, one_line, started_server
 
 pytestmark = pytest.mark.slow
 # 4 prompts x 64 tokens reach well over a hundred verify cycles and accepted drafts per algorithm in CI; the
@@ -325,7 +327,9 @@ def test_sigterm_mid_request_records_the_serving_interrupted_and_a_rerun_logs_ea
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 143 and "Traceback" not in stderr.decode(), stderr.decode()[-3000:]
-    assert stderr.decode().strip().splitlines()[-1].startswith("error: terminated (SIGTERM)")
+    last = stderr.decode().strip().splitlines()[-1]
+    assert last.startswith("error: terminated (SIGTERM); finished work is kept; run the same command again: ")
+    assert f"dflash-lab evaluate {run.name} --engine llama.cpp --workdir {e2e_workdir}" in last, last
     assert gone(server)
     tags = client.get_run(run.run_id).data.tags
     assert tags[tracking.TAG_SERVED_STATUS] == "interrupted" and "SIGTERM" in tags[tracking.TAG_SERVED_REASON]
@@ -336,6 +340,108 @@ def test_sigterm_mid_request_records_the_serving_interrupted_and_a_rerun_logs_ea
     assert client.get_run(run.run_id).data.tags[tracking.TAG_SERVED_STATUS] == "finished"
     assert rows() == before + 1, "the rerun logs each served metric once"
     assert not list((e2e_workdir / "served" / "servers").glob("*.json")), "no server is left recorded"
+
+
+def test_a_sigterm_to_serve_names_the_command_to_run_again(e2e_workdir, served_runs):
+    process = subprocess.Popen(
+        [*CLI, "serve", "serves-dspark", "--workdir", str(e2e_workdir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    server = started_server(e2e_workdir, process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 143 and "Traceback" not in stderr.decode(), stderr.decode()[-3000:]
+    assert stderr.decode().strip().splitlines()[-1] == (
+        "error: terminated (SIGTERM); finished work is kept; run the same command again: "
+        f"dflash-lab serve serves-dspark --workdir {e2e_workdir}"
+    )
+    assert gone(server)
+
+
+def test_a_sigkill_during_the_drafts_conversion_leaves_no_converter_and_the_next_conversion_no_temporary(
+    e2e_workspace, e2e_workdir, served_runs
+):
+    import psutil
+
+    from harness.run import DRAFT_GGUF_FILE, SERVED_DIR, Run
+    from harness.served import draft_gguf
+    from harness.serving import STAMP_SUFFIX, find_engine
+
+    run = Run.at(served_runs["dspark"].run_dir)
+    served = run.path(SERVED_DIR)
+    for name in (DRAFT_GGUF_FILE, DRAFT_GGUF_FILE + STAMP_SUFFIX):  # so that the evaluation converts the draft
+        (served / name).unlink(missing_ok=True)
+    process = subprocess.Popen(
+        [*CLI, "evaluate", run.name, "--engine", "llama.cpp", "--workdir", str(e2e_workdir), *QUICK_EVALUATION],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        converter = None
+        deadline = time.monotonic() + 600
+        while converter is None and process.poll() is None and time.monotonic() < deadline:
+            converters = [
+                child
+                for child in psutil.Process(process.pid).children(recursive=True)
+                if any(DRAFT_GGUF_FILE in part for part in child.cmdline())
+            ]
+            converter = converters[0] if converters else None
+            time.sleep(0.02)
+        assert converter is not None, "the evaluation never converted the draft"
+        time.sleep(1)  # into the conversion: the converter has loaded and begun writing its temporary
+    finally:
+        process.kill()
+        process.wait()
+    assert gone(converter.pid, within_s=2), "the converter outlived the evaluation that started it"
+    draft_gguf(find_engine(), run, served_runs["dspark"].draft, e2e_workspace.target)
+    assert not [p.name for p in served.iterdir() if ".tmp" in p.name or ".old" in p.name]
+
+
+def test_a_sigkilled_export_leaves_nothing_after_the_next_export(e2e_workdir, served_runs, tmp_path):
+    """SIGKILL while the export is written (its temporary folder beside --out exists), then a whole export: no
+    temporary is left beside it."""
+    out = tmp_path / "exported"
+    export = [*CLI, "export", "serves-dspark", "--workdir", str(e2e_workdir), "--out", str(out)]
+    for _ in range(3):  # the write lasts a fraction of a second: caught while it is under way, or tried again
+        process = subprocess.Popen(export, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        temporary = tmp_path / f"exported.tmp{process.pid}"
+        while process.poll() is None and not temporary.exists():
+            time.sleep(0.001)
+        process.kill()
+        process.wait()
+        if temporary.exists():
+            break
+        remove(out)
+    assert temporary.exists(), "the export was never caught mid-write"
+    done = subprocess.run(export, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("exported")) == ["exported"]
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_any_server_starts(
+    cli, e2e_workdir, served_runs, tmp_path, monkeypatch
+):
+    from harness.serving import CONTEXT, LlamaServer
+
+    def never(self):
+        raise AssertionError("a server started")
+
+    monkeypatch.setattr(LlamaServer, "__enter__", never)
+    mine = tmp_path / "long.jsonl"
+    mine.write_text('{"prompt": "Name three colours."}\n' + json.dumps({"prompt": "word " * (CONTEXT + 100)}) + "\n")
+    result = cli(
+        ["evaluate", "serves-dspark", "--engine", "llama.cpp", "--workdir", str(e2e_workdir), "--prompts", str(mine)]
+        + ["--num-prompts", "2", "--temperatures", "0", "--max-new-tokens", "16"]
+    )
+    line = one_line(result)
+    assert re.fullmatch(
+        rf"error: invalid prompt 1 of the prompts prompts: (\d+) tokens, which with 16 new tokens exceed the "
+        rf"server's {CONTEXT}-token context; allowed prompts of at most {CONTEXT - 16} tokens \(.*\)",
+        line,
+    ), line
+    assert int(re.search(r": (\d+) tokens", line).group(1)) > CONTEXT
 
 
 def test_regeneration_through_llama_server_matches_hf_greedy_except_at_near_ties_and_resumes(

@@ -75,6 +75,29 @@ def test_serving_on_a_read_only_workdir_is_refused_before_any_conversion(cli, re
     assert line.startswith(f"error: invalid --workdir='{made}': the work directory is not writable")
 
 
+@pytest.mark.parametrize("command", [["evaluate", "r", "--engine", "llama.cpp"], ["serve", "r"]])
+def test_serving_a_run_whose_served_folder_is_read_only_is_refused_up_front(
+    cli, read_only, made, tmp_path, monkeypatch, command
+):
+    """The run's served folder is tried like the work directory: one line naming it, before the checkpoint loads
+    (this one is not a checkpoint) and before any lock is waited for."""
+    engine = tmp_path / "cache" / "llama.cpp" / "0c1e57098"
+    (engine / "build" / "bin").mkdir(parents=True)
+    (engine / "build" / "bin" / "llama-server").write_text("#!/bin/sh\nexit 1\n")
+    (engine / "build" / "bin" / "llama-server").chmod(0o755)
+    (engine / "COMMIT").write_text("0c1e57098bba43ac29e6e3b677cdceebdd22334f\n")
+    monkeypatch.setenv("DFLASH_LAB_CACHE", str(tmp_path / "cache"))
+    served = made / "runs" / "r" / "served"
+    served.mkdir(parents=True)
+    (served.parent / "checkpoint.pt").write_bytes(b"never loaded")
+    read_only(served)
+    started = time.perf_counter()
+    line = one_line(cli([*command, "--workdir", str(made)]))
+    assert time.perf_counter() - started < 2
+    assert line.startswith(f"error: invalid served folder='{served}': run r's served folder is not writable")
+    assert "serve from a copy of the work directory" in line
+
+
 def test_study_launch_on_an_empty_read_only_workdir_names_the_workdir_not_the_storage(cli, read_only, made):
     line = one_line(cli(["study", "launch", "studies/default.yaml", "--workdir", str(read_only(made))]))
     assert "invalid --workdir=" in line and "not writable" in line and "--storage" not in line
