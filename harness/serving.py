@@ -207,7 +207,7 @@ def check_prompts_fit(prompt_sets: dict[str, list[list[int]]], n_predict: int, c
         for index, prompt in enumerate(prompts):
             if len(prompt) > room:
                 raise EngineError(
-                    f"invalid prompt {index} of the {name} prompts: {len(prompt)} tokens, which with "
+                    f"invalid prompt {index} of set {name!r}: {len(prompt)} tokens, which with "
                     f"{n_predict} new tokens exceed the server's {context}-token context; allowed prompts of at most "
                     f"{room} tokens (shorten it, or ask for fewer new tokens)"
                 )

@@ -21,7 +21,7 @@ from harness.decode import speculative_generate, target_greedy
 from harness.evaluate import evaluate, mtbench_questions, prompt_ids
 from harness.files import remove
 
-from conftest import E2E_MEMBERS, e2e_run_config, gone, one_line, started_server
+from conftest import E2E_MEMBERS, e2e_run_config, gone, started_server
 
 pytestmark = pytest.mark.slow
 # 4 prompts x 64 tokens reach well over a hundred verify cycles and accepted drafts per algorithm in CI; the
@@ -435,9 +435,11 @@ def test_a_prompt_longer_than_the_context_is_refused_before_any_server_starts(
         ["evaluate", "serves-dspark", "--engine", "llama.cpp", "--workdir", str(e2e_workdir), "--prompts", str(mine)]
         + ["--num-prompts", "2", "--temperatures", "0", "--max-new-tokens", "16"]
     )
-    line = one_line(result)
+    # the target loads first (its tokenizer counts the tokens; its loading bar is on stderr): then one line
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
     assert re.fullmatch(
-        rf"error: invalid prompt 1 of the prompts prompts: (\d+) tokens, which with 16 new tokens exceed the "
+        rf"error: invalid prompt 1 of set 'prompts': (\d+) tokens, which with 16 new tokens exceed the "
         rf"server's {CONTEXT}-token context; allowed prompts of at most {CONTEXT - 16} tokens \(.*\)",
         line,
     ), line
