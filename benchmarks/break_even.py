@@ -20,8 +20,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from harness import break_even
-from harness.evaluate import mtbench_questions, prompt_ids
+from harness.evaluate import prompt_ids
 from harness.export import export_checkpoint
+from harness.mtbench import mtbench_questions
 from harness.presets import preset_run
 from harness.run import SERVED_DIR, server_records
 from harness.served import served_shape

@@ -176,7 +176,8 @@ class Check:
         import torch
 
         from harness.decode import speculative_generate
-        from harness.evaluate import mtbench_questions, prompt_ids
+        from harness.evaluate import prompt_ids
+        from harness.mtbench import mtbench_questions
         from harness.run import Run
         from harness.train import TrainingRecipe, checkpoint_config, prepare_workspace, restore_draft
 
@@ -226,7 +227,7 @@ class Check:
         from vllm import LLM, SamplingParams
 
         from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
-        from harness.evaluate import mtbench_questions
+        from harness.mtbench import mtbench_questions
         from harness.run import Run
         from harness.targets import load_target
         from harness.tracking import EVAL_PREFIX, VAL_PREFIX, client, metric_key

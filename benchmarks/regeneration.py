@@ -94,7 +94,7 @@ def main() -> None:
         max_new_tokens=args.tokens,
         generation_batch_size=args.slots,
     )
-    conversations = load_conversations(config, args.workdir)
+    conversations, _ = load_conversations(config, args.workdir)
     runs = {}
     for backend in (HF, ENGINE):
         runs[backend] = timed_regeneration(

@@ -23,7 +23,8 @@ from pathlib import Path
 from benchmarks.budget_transfer import cpu_model
 from harness import break_even
 from harness.data import prepare_documents
-from harness.evaluate import chat_prompt_ids, mtbench_records, prompt_ids
+from harness.evaluate import chat_prompt_ids, prompt_ids
+from harness.mtbench import mtbench_records
 from harness.run import SERVED_DIR, Run, server_records
 from harness.served import accepted_length, draft_gguf, served_shape
 from harness.served import bracketed as bracketed_completions

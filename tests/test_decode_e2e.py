@@ -18,8 +18,9 @@ import pytest
 from harness import tracking
 from harness.config import EvalConfig
 from harness.decode import speculative_generate, target_greedy
-from harness.evaluate import evaluate, mtbench_questions, prompt_ids
+from harness.evaluate import evaluate, prompt_ids
 from harness.files import remove
+from harness.mtbench import mtbench_questions
 
 from conftest import E2E_MEMBERS, e2e_run_config, gone, started_server
 
@@ -462,7 +463,7 @@ def test_regeneration_through_llama_server_matches_hf_greedy_except_at_near_ties
         num_conversations=7, num_validation=1, max_new_tokens=24, regenerate_with="llama.cpp", generation_batch_size=3
     )
     long = [{"role": "user", "content": "Tell me about the sea. " * 120}]  # about 720 tokens: over max_length 256
-    conversations = [*load_conversations(config, e2e_workdir), long]
+    conversations = [*load_conversations(config, e2e_workdir)[0], long]
     journal = Journal(tmp_path / "journal.jsonl")
     journal.add(0, 0, "a reply from before the kill")
     dialogues = regenerate(target, conversations, config, Journal(journal.path), e2e_workdir)

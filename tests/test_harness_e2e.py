@@ -141,9 +141,12 @@ def test_mlflow_records_documented_params_and_metrics(e2e_workspace, e2e_workdir
         "target_hash",
         "dataset",
         "dataset_hash",
+        "data.decontaminate",
     ):
         assert name in params, name
     assert params["shared.mask_token_id"] == "16" and params["target"] == "smollm2-135m"
+    # chitchat shares no run of 10 words with MT-bench: the count is logged, and it is 0
+    assert params["decontaminated_conversations"] == "0" and params["data.decontaminate"] == "True"
     metrics = run.data.metrics
     for name in (
         "accept/unary",

@@ -14,7 +14,7 @@ from conftest import frozen_tensors, packed_row, tiny_target
 def _workspace(tmp_path, train_rows):
     embed, head = frozen_tensors()
     target = SimpleNamespace(spec=tiny_target(), embed_weight=embed, head_weight=head, mask_token_id=5)
-    data = SimpleNamespace(dataset_id="unsupervised.jsonl", dataset_hash="h")
+    data = SimpleNamespace(dataset_id="unsupervised.jsonl", dataset_hash="h", decontaminated=0)
     return Workspace(tmp_path, target, data, None, True, train_rows, [packed_row()], [packed_row((20,), pad=0)])
 
 
