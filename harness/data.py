@@ -19,6 +19,7 @@ from algorithms.blocks import PackedRow
 from algorithms.knobs import check_section, knob
 from harness.decontamination import RUN_WORDS, Decontaminator
 from harness.files import atomic_write
+from harness.magpie import MAGPIE, synthesize
 from harness.regeneration import REGENERATORS, Journal, regenerate, template_ids
 
 log = logging.getLogger(__name__)
@@ -33,9 +34,10 @@ class DataConfig:
 
     dataset: str = knob(
         "chitchat",
-        "'chitchat' or 'sharegpt' (embedded; ShareGPT's user turns only, the target answers them), a JSONL file of "
-        '{"messages": [...]} or {"prompt": ...}, an HF dataset id, or a mixture of them such as sharegpt:3+chitchat:1 '
-        "(each source's share of num_conversations by its weight)",
+        "'chitchat' or 'sharegpt' (embedded; ShareGPT's user turns only, the target answers them), 'magpie' "
+        "(instructions the target writes itself, steered to MT-bench's categories; built by llama.cpp), a JSONL file "
+        'of {"messages": [...]} or {"prompt": ...}, an HF dataset id, or a mixture of them such as '
+        "sharegpt:3+chitchat:1 (each source's share of num_conversations by its weight)",
         flag="--data",
     )
     split: str = knob("train", "dataset split", flag="--data-split")
@@ -190,20 +192,44 @@ def embedded_jsonl(name: str, data_dir: Path) -> Path:
     return out_path
 
 
-def load_conversations(config: DataConfig, cache_dir: Path) -> tuple[list[list[dict]], int]:
-    """`num_conversations` conversations, each source's share drawn by a seeded shuffle (a mixture shuffled again),
-    and how many were dropped as contaminated on the way."""
+def load_conversations(config: DataConfig, cache_dir: Path, target=None) -> tuple[list[list[dict]], int]:
+    """`num_conversations` conversations, each source's share drawn by a seeded shuffle (a mixture shuffled again;
+    `magpie`'s written by the `target`), and how many were dropped as contaminated on the way."""
     parts = dataset_parts(config.dataset)
     counts = shares(config.num_conversations, [weight for _, weight in parts])
     decontaminator = Decontaminator.mtbench() if config.decontaminate else None
     chosen, dropped = [], 0
     for (source, _), count in zip(parts, counts, strict=True):
-        conversations, source_dropped = source_conversations(source, count, config, cache_dir, decontaminator)
+        if source == MAGPIE:
+            conversations, source_dropped = magpie_conversations(target, count, config, cache_dir, decontaminator)
+        else:
+            conversations, source_dropped = source_conversations(source, count, config, cache_dir, decontaminator)
         chosen += conversations
         dropped += source_dropped
     if len(parts) > 1:
         random.Random(config.seed).shuffle(chosen)
     return chosen, dropped
+
+
+def magpie_conversations(
+    target, count: int, config: DataConfig, cache_dir: Path, decontaminator: Decontaminator | None
+) -> tuple[list[list[dict]], int]:
+    """`count` instructions the target writes itself (harness/magpie.py), each a user turn it then answers."""
+    if target is None or not config.regenerate:
+        raise ValueError(
+            f"invalid --data={config.dataset!r}: magpie's instructions are written and answered by the target; "
+            "allowed with regeneration, when preparing a run's data"
+        )
+
+    def accept(text: str) -> bool:
+        return decontaminator is None or not decontaminator.contaminated([{"role": "user", "content": text}])
+
+    instructions, dropped = synthesize(target, count, config.seed, config.generation_batch_size, cache_dir, accept)
+    if dropped:
+        log.info(
+            "magpie: dropped %d instructions that share a run of %d words with an MT-bench turn", dropped, RUN_WORDS
+        )
+    return [[{"role": "user", "content": text}] for text in instructions], dropped
 
 
 def source_conversations(
@@ -420,7 +446,7 @@ def prepare_documents(target, config: DataConfig, cache_dir: Path) -> PreparedDa
     if cache.exists():
         payload = json.loads(cache.read_text())
     else:
-        conversations, decontaminated = load_conversations(config, cache_dir)
+        conversations, decontaminated = load_conversations(config, cache_dir, target)
         if config.regenerate:
             journal = Journal(cache_dir / "data" / f"regenerated-{key}.jsonl")
             conversations = regenerate(target, conversations, config, journal, cache_dir)

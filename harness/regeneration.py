@@ -36,14 +36,18 @@ class Journal:
         self.path = path
         self.done: dict[tuple[int, int], str] = {}
         if path.exists():
-            for line in path.read_text().splitlines():
+            text = path.read_text()
+            if text and not text.endswith("\n"):  # a line torn by a kill: cut, or the next entry would join it
+                text = text[: text.rfind("\n") + 1]
+                path.write_text(text)
+            for line in text.splitlines():
                 try:
                     entry = json.loads(line)
                 except ValueError:
                     continue
                 self.done[entry["conversation"], entry["turn"]] = entry["reply"]
         if self.done:
-            log.info("resuming the regeneration: %d finished turns in %s", len(self.done), path)
+            log.info("resuming: %d finished entries in %s", len(self.done), path)
 
     def add(self, conversation: int, turn: int, reply: str) -> None:
         self.done[conversation, turn] = reply

@@ -217,3 +217,12 @@ def test_the_shipped_sharegpt_reads_as_prompts_for_the_target(tmp_path):
     config = DataConfig(dataset="sharegpt", num_conversations=20, num_validation=2, regenerate=False)
     with pytest.raises(ValueError, match=r"invalid --data='sharegpt' with --no-regenerate: a file of prompts"):
         load_conversations(config, tmp_path)
+
+
+def test_a_journal_line_torn_by_a_kill_is_cut_so_that_the_next_entry_stands_alone(tmp_path):
+    from harness.regeneration import Journal
+
+    path = tmp_path / "journal.jsonl"
+    path.write_text('{"conversation": 0, "turn": 0, "reply": "whole"}\n{"conversation": 1, "tu')
+    Journal(path).add(2, 0, "after the kill")
+    assert Journal(path).done == {(0, 0): "whole", (2, 0): "after the kill"}

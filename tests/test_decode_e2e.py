@@ -482,3 +482,63 @@ def test_regeneration_through_llama_server_matches_hf_greedy_except_at_near_ties
             flips.append(cause_of(target, prompt, reference, served))
     assert all("near-tie" in f and "not a near-tie" not in f for f in flips), flips
     assert len(flips) <= 1, flips
+
+
+def test_magpie_instructions_are_written_by_the_target_in_llama_server_and_resume_after_a_kill(
+    e2e_workspace, e2e_workdir
+):
+    """The target writes its own instructions after its template's pre-query text: a synthesis SIGKILLed after a
+    few have landed resumes from its journal without sampling them again, and a repeated one samples nothing."""
+    from harness.magpie import OPENINGS, pre_query_ids, synthesize
+
+    target, tokenizer = e2e_workspace.target, e2e_workspace.target.tokenizer
+    assert tokenizer.decode(pre_query_ids(tokenizer)) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\n"
+    ), "the default system turn and the user header, nothing of a user's text, no extra BOS"
+    seed, count = 7, 12
+    code = (
+        "import sys; from pathlib import Path; from harness.targets import load_target; "
+        "from harness.magpie import synthesize; workdir = Path(sys.argv[1]); "
+        f"synthesize(load_target('smollm2-135m', workdir), {count}, {seed}, 2, workdir)"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code, str(e2e_workdir)], stderr=subprocess.DEVNULL)
+    journals = lambda: list((e2e_workdir / "data").glob("magpie-*.jsonl"))  # noqa: E731
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and process.poll() is None:
+            if journals() and len(journals()[0].read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.05)
+        assert process.poll() is None, "the synthesis ended before it could be killed"
+    finally:
+        process.kill()
+        process.wait()
+    (journal,) = journals()
+    try:
+        before = [line for line in journal.read_text().splitlines(keepends=True) if line.endswith("\n")]
+        instructions, refused = synthesize(target, count, seed, 2, e2e_workdir)
+        log = (e2e_workdir / "served" / "magpie.log").read_text()
+        after = journal.read_text().splitlines(keepends=True)
+        assert after[: len(before)] == before, "what landed before the kill is kept as it was"
+        indices = [json.loads(line)["conversation"] for line in after]
+        assert len(indices) == len(set(indices)), "no instruction was sampled twice"
+        assert log.count("launch_slot_") == len(after) - len(before) < len(after)
+        assert len(instructions) == count and refused == 0 and len(set(instructions)) == count
+        assert all(any(text.startswith(opening) for opening in OPENINGS.values()) for text in instructions)
+        again, _ = synthesize(target, count, seed, 2, e2e_workdir)
+        assert again == instructions
+        assert (e2e_workdir / "served" / "magpie.log").read_text().count("launch_slot_") == 0
+    finally:
+        journal.unlink()
+
+
+def test_magpie_needs_the_target_and_regeneration(tmp_path):
+    from harness.data import DataConfig, load_conversations
+
+    for config in (
+        DataConfig(dataset="magpie", num_conversations=4, num_validation=1),
+        DataConfig(dataset="magpie", num_conversations=4, num_validation=1, regenerate=False),
+    ):
+        with pytest.raises(ValueError, match=r"invalid --data='magpie': magpie's instructions are written and"):
+            load_conversations(config, tmp_path, target=None if config.regenerate else object())
