@@ -22,7 +22,7 @@ from pathlib import Path
 
 from benchmarks.budget_transfer import cpu_model
 from harness import break_even
-from harness.data import prepare_documents
+from harness.data import DataConfig, dataset_parts, load_conversations, prepare_documents
 from harness.evaluate import chat_prompt_ids, prompt_ids
 from harness.mtbench import mtbench_records
 from harness.run import SERVED_DIR, Run, server_records
@@ -147,8 +147,17 @@ def measure(args: argparse.Namespace) -> str:
             Served(run, config.algorithm.algorithm, draft_gguf(engine, run, draft, target), *served_shape(draft))
         )
     prompts = prompts_by_category(target.tokenizer, args.per_category)
-    if args.chat:  # the first run's held-out conversations, up to their first assistant token
+    if args.chat and args.chat_data is None:  # the first run's held-out conversations, up to their first reply
         prompts[CHAT] = chat_prompt_ids(prepare_documents(target, first.data, runs[0].workdir).validation, args.chat)
+    elif args.chat:  # another source's first user turns, in its seeded order (a chitchat run's held-out ones first)
+        trained_on = {source for source, _ in dataset_parts(first.data.dataset)}
+        if trained_on & {source for source, _ in dataset_parts(args.chat_data)}:
+            raise SystemExit(f"invalid --chat-data={args.chat_data!r}: the runs trained on it; allowed another source")
+        other = DataConfig(dataset=args.chat_data, num_conversations=args.chat, num_validation=1)
+        conversations, _ = load_conversations(other, runs[0].workdir)
+        prompts[f"{args.chat_data} (not trained on)"] = [
+            prompt_ids(target.tokenizer, c[0]["content"]) for c in conversations
+        ]
     logs, records = runs[0].path(SERVED_DIR) / "speedup", server_records(runs[0].workdir)
     models = {"f32": target_gguf(engine, runs[0].workdir, target), "q4_1": embedded_gguf_path(first.target)}
     sections = []
@@ -187,7 +196,7 @@ def measure(args: argparse.Namespace) -> str:
             f"--workdir {args.workdir} {runs_text} --per-category {args.per_category} --chat {args.chat} "
             f"--tokens {args.tokens}{' --until-eos' * args.until_eos} --targets {' '.join(args.targets)}`. "
             f"{count} prompts: MT-bench first turns ({args.per_category} per category, the first by question id) and "
-            f"{args.chat} of the run's held-out chat conversations, "
+            f"{args.chat} of {held_out(args)}, "
             f"{reply_length(args)}, T = 0. Trained on {first.data.num_conversations} conversations ({trained}). "
             "Each speed-up is paired by prompt with the target alone, timed before and after every drafter (the "
             "mean of the two).",
@@ -237,6 +246,13 @@ def serving_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def held_out(args: argparse.Namespace) -> str:
+    """Which conversations the chat prompts are, as the benchmark's text states it."""
+    if args.chat_data is None:
+        return "the run's held-out chat conversations"
+    return f"the first user turns of `{args.chat_data}` in its seeded order (not in the runs' training data)"
+
+
 def reply_length(args: argparse.Namespace) -> str:
     """How long each served reply was, as the benchmark's text states it."""
     if args.until_eos:
@@ -247,6 +263,11 @@ def reply_length(args: argparse.Namespace) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     serving_arguments(parser)
+    parser.add_argument(
+        "--chat-data",
+        help="serve the first user turns of this source (e.g. chitchat, for a run trained on other data) as the "
+        "chat prompts (default: the run's own held-out conversations)",
+    )
     parser.add_argument(
         "--run",
         required=True,

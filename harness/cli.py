@@ -705,7 +705,10 @@ def check_outputs_writable(args: argparse.Namespace) -> None:
         check_writable(args.out, "--out", what="the output directory", hint=" (pass another --out)")
 
 
-TRAIN_ON_SIGTERM = "the run is recorded interrupted, and `train ... --resume` continues it from its last checkpoint"
+TRAIN_ON_SIGTERM = (
+    "finished work is kept (regenerated data and features are cached); a run that had started is recorded "
+    "interrupted, and `train ... --resume` continues it from its last checkpoint"
+)
 
 
 def sigterm_remedy(args: argparse.Namespace) -> str:

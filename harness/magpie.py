@@ -104,8 +104,9 @@ def synthesize(
             rate = max(0.2, len(chosen) / start) if start else 1.0
             indices = range(start, start + max(slots, math.ceil((count - len(chosen)) / rate)))
             pending = [i for i in indices if journal.instruction(i) is None]
-            for index, text, ended in sample(pending):
+            for landed, (index, text, ended) in enumerate(sample(pending), start=1):
                 journal.add_instruction(index, text, ended)
+                bar.set_postfix_str(f"{landed}/{len(pending)} of this round sampled", refresh=landed % 16 == 0)
             for index in indices:
                 text, ended = journal.instruction(index)
                 text = text.strip()

@@ -334,26 +334,19 @@ class LlamaServer:
 
     def __enter__(self) -> LlamaServer:
         stop_orphans(self.records)
-        if self.port is not None:  # asked for: refused when taken, never moved
-            check_port_free(self.port)
-            try:
-                self._start()
-            except PortTaken:
-                self.stop()
-                raise EngineError(port_taken(self.port)) from None
-            except BaseException:  # a failed or interrupted start leaves nothing running
-                self.stop()
-                raise
-            return self
-        for _ in range(3):  # a port another process took between the probe and the bind: another port
-            self.port = free_port()
+        asked = self.port  # a port asked for is refused when taken, never moved
+        if asked is not None:
+            check_port_free(asked)
+        for _ in range(1 if asked else 3):  # a chosen port another process took before the bind: another port
+            self.port = asked or free_port()
             try:
                 self._start()
                 return self
             except PortTaken:
                 self.stop()
-                self.port = None
-            except BaseException:
+                if asked:
+                    raise EngineError(port_taken(asked)) from None
+            except BaseException:  # a failed or interrupted start leaves nothing running
                 self.stop()
                 raise
         raise EngineError(f"llama-server found no free port on 127.0.0.1 (log: {self.log_path})")
