@@ -193,7 +193,8 @@ def measure(args: argparse.Namespace) -> str:
             f"## {', '.join(f'`{run.name}`' for run in runs)} on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
             "",
             f"{cpu_model()} ({os.cpu_count()} cores), llama.cpp {engine.commit[:9]}; `python -m benchmarks.speedup "
-            f"--workdir {args.workdir} {runs_text} --per-category {args.per_category} --chat {args.chat} "
+            f"--workdir {args.workdir} {runs_text} --per-category {args.per_category} --chat {args.chat}"
+            f"{f' --chat-data {args.chat_data}' if args.chat_data else ''} "
             f"--tokens {args.tokens}{' --until-eos' * args.until_eos} --targets {' '.join(args.targets)}`. "
             f"{count} prompts: MT-bench first turns ({args.per_category} per category, the first by question id) and "
             f"{args.chat} of {held_out(args)}, "
