@@ -366,6 +366,23 @@ def _thread_state(task: Path) -> str | None:
         return None  # that thread has exited
 
 
+def child_running(pid: int, word: str, within_s: float = 600):
+    """The first descendant of `pid` whose command line holds `word`, once it has one (a child between its fork
+    and its exec has another command line, or none yet)."""
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and psutil.pid_exists(pid):
+        for child in psutil.Process(pid).children(recursive=True):
+            try:
+                if any(word in part for part in child.cmdline()):
+                    return child
+            except psutil.Error:  # gone, or a zombie, since it was listed
+                continue
+        time.sleep(0.02)
+    raise AssertionError(f"no process running {word} was started by {pid}")
+
+
 def started_server(workdir: Path, process: subprocess.Popen, log: Path | None = None, timeout_s: float = 600) -> int:
     """The pid of the llama-server that `process` (a dflash-lab command) started in `workdir`, once it is recorded
     there and, with `log`, once that server's log shows a request being processed."""

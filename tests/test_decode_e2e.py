@@ -22,7 +22,7 @@ from harness.evaluate import evaluate, prompt_ids
 from harness.files import remove
 from harness.mtbench import mtbench_questions
 
-from conftest import E2E_MEMBERS, e2e_run_config, gone, started_server
+from conftest import E2E_MEMBERS, child_running, e2e_run_config, gone, started_server
 
 pytestmark = pytest.mark.slow
 # 4 prompts x 64 tokens reach well over a hundred verify cycles and accepted drafts per algorithm in CI; the
@@ -363,8 +363,6 @@ def test_a_sigterm_to_serve_names_the_command_to_run_again(e2e_workdir, served_r
 def test_a_sigkill_during_the_drafts_conversion_leaves_no_converter_and_the_next_conversion_no_temporary(
     e2e_workspace, e2e_workdir, served_runs
 ):
-    import psutil
-
     from harness.run import DRAFT_GGUF_FILE, SERVED_DIR, Run
     from harness.served import draft_gguf
     from harness.serving import STAMP_SUFFIX, find_engine
@@ -379,17 +377,7 @@ def test_a_sigkill_during_the_drafts_conversion_leaves_no_converter_and_the_next
         stderr=subprocess.DEVNULL,
     )
     try:
-        converter = None
-        deadline = time.monotonic() + 600
-        while converter is None and process.poll() is None and time.monotonic() < deadline:
-            converters = [
-                child
-                for child in psutil.Process(process.pid).children(recursive=True)
-                if any(DRAFT_GGUF_FILE in part for part in child.cmdline())
-            ]
-            converter = converters[0] if converters else None
-            time.sleep(0.02)
-        assert converter is not None, "the evaluation never converted the draft"
+        converter = child_running(process.pid, DRAFT_GGUF_FILE)
         time.sleep(1)  # into the conversion: the converter has loaded and begun writing its temporary
     finally:
         process.kill()

@@ -27,7 +27,7 @@ from harness.serving import (
     to_gguf,
 )
 
-from conftest import gone, one_line, tiny_draft
+from conftest import child_running, gone, one_line, tiny_draft
 
 # A stand-in llama-server: answers /health on its port, or fails the way the real one does.
 FAKE_SERVER = """\
@@ -399,8 +399,6 @@ def test_a_conversion_removes_a_dead_writers_temporary_and_keeps_a_live_ones(eng
 def test_a_killed_conversion_leaves_no_converter_running(engine, converting, tmp_path, monkeypatch):
     """The converter is started with the parent-death signal, as the server is: SIGKILL of the process converting
     ends it too, instead of leaving it to load (minutes, for a real target) and write on its own."""
-    import psutil
-
     monkeypatch.setenv("FAKE_CONVERT_SECONDS", "60")
     code = (
         "import sys; from pathlib import Path; from harness.serving import find_engine, to_gguf; "
@@ -408,14 +406,11 @@ def test_a_killed_conversion_leaves_no_converter_running(engine, converting, tmp
     )
     converting_process = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)])
     try:
-        deadline = time.monotonic() + 60
-        while not (children := psutil.Process(converting_process.pid).children()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert children and "convert_hf_to_gguf.py" in " ".join(children[0].cmdline())
+        converter = child_running(converting_process.pid, "convert_hf_to_gguf.py")
     finally:
         converting_process.kill()
         converting_process.wait()
-    assert gone(children[0].pid, within_s=2), "the converter outlived the process that started it"
+    assert gone(converter.pid, within_s=2), "the converter outlived the process that started it"
 
 
 def test_a_server_killed_by_sigill_while_loading_names_the_signal_and_the_setup(engine, tmp_path, monkeypatch):
