@@ -319,21 +319,20 @@ def located_run(args: argparse.Namespace):
 def cmd_export(args: argparse.Namespace) -> int:
     from harness.export import ExportDestinationError, NoPeerFormat, check_destination, export_checkpoint, peer_format
     from harness.run import EXPORT_DIR
-    from harness.targets import load_target
-    from harness.train import checkpoint_config, restore_draft
+    from harness.train import TrainedRun
 
     run = located_run(args)
-    state = run.load_checkpoint()
-    config = checkpoint_config(state)
+    trained = TrainedRun.load(run)
+    config = trained.config
     out = args.out or run.path(EXPORT_DIR)
     try:
         peer_format(config.algorithm.entry)
         check_destination(out, run.workdir, args.force)
     except (NoPeerFormat, ExportDestinationError) as error:
         raise SystemExit(f"error: {error}") from None
-    target = load_target(config.target, run.workdir, config.algorithm.shared.mask_token_id)
-    out = export_checkpoint(restore_draft(state, target), out, target.source)
-    print(f"exported {config.algorithm.algorithm} draft (step {state['step']}) to {out}")
+    target = trained.load_target()
+    out = export_checkpoint(trained.draft(target), out, target.source)
+    print(f"exported {config.algorithm.algorithm} draft (step {trained.state['step']}) to {out}")
     print(f"serve with: vllm serve {out}   (verifier: {target.source})")
     return 0
 
@@ -343,7 +342,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from harness.config import EvalConfig
     from harness.evaluate import evaluate, log_evaluation
     from harness.run import EVAL_RECORDS_FILE
-    from harness.train import checkpoint_config, prepare_workspace, restore_draft
+    from harness.train import TrainedRun, prepare_workspace
 
     engine = served_engine(args)
     if args.prompts is not None:
@@ -356,14 +355,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     run = located_run(args)
     if engine is not None:
         check_served_writable(run)
-    state = run.load_checkpoint()
-    config = checkpoint_config(state)
+    trained = TrainedRun.load(run)
     if engine is not None:
-        from harness.served import check_served_format
+        from harness.serving.draft import check_served_format
 
-        check_served_format(config.algorithm.entry)
-    workspace = prepare_workspace(config, run.workdir, args.device)
-    draft = restore_draft(state, workspace.target, args.device)
+        check_served_format(trained.config.algorithm.entry)
+    workspace = prepare_workspace(trained.config, run.workdir, args.device)
+    draft = trained.draft(workspace.target, args.device)
     eval_config = EvalConfig(
         num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens,
@@ -411,7 +409,7 @@ def served_engine(args: argparse.Namespace):
     """The llama.cpp build that `--engine llama.cpp` asks for (None without the flag); missing: one line."""
     if getattr(args, "engine", None) is None:
         return None
-    from harness.serving import find_engine
+    from harness.serving.engine import find_engine
 
     return find_engine()
 
@@ -419,27 +417,12 @@ def served_engine(args: argparse.Namespace):
 def evaluate_served(engine, run, workspace, draft, eval_config) -> int:
     from harness import tracking
     from harness.run import SERVED_RECORDS_FILE
-    from harness.served import serve_run
+    from harness.serving import metrics as served_names
+    from harness.serving.compare import serve_run
 
     metrics = serve_run(engine, run, workspace.target, draft, workspace.data.validation, eval_config)
-    for name in (
-        "accepted_length_greedy",
-        "agreement_cycle_fraction",
-        "agreement_request_fraction",
-        "lossless_flips_vs_engine",
-        "lossless_flips_vs_harness",
-        "tokens_per_s_draft",
-        "tokens_per_s_alone",
-        "speedup",
-        "speedup_low",
-        "speedup_high",
-        "break_even_accepted_length",
-        "break_even_accepted_length_low",
-        "break_even_accepted_length_high",
-        "break_even_shortfall",
-        "cycle_cost_plain_tokens",
-    ):
-        print(f"{tracking.SERVED_PREFIX}{name}: {metrics[name]:.4f}")
+    for name in served_names.SUMMARY:
+        print(f"{served_names.PREFIX}{name}: {metrics[name]:.4f}")
     print(served_verdict(metrics))
     print(f"llama.cpp {engine.commit[:9]}; per-request records in {run.path(SERVED_RECORDS_FILE)}")
     print(f"MLflow UI: {tracking.run_link(run.workdir, run.run_id)}")
@@ -448,17 +431,19 @@ def evaluate_served(engine, run, workspace, draft, eval_config) -> int:
 
 def served_verdict(metrics: dict[str, float]) -> str:
     """One line: the served accepted length against the break-even of the draft's shape on this machine."""
-    served, needed = metrics["accepted_length_greedy"], metrics["break_even_accepted_length"]
+    from harness.serving import metrics as served_names
+
+    served, needed = metrics[served_names.ACCEPTED_GREEDY], metrics[served_names.BREAK_EVEN]
     if math.isinf(needed):
         return (
             f"served accepted length {served:.2f}: this draft's shape does not pay for itself on this machine even "
-            f"when every draft is accepted (a cycle costs {metrics['cycle_cost_plain_tokens']:.2f} plain tokens)"
+            f"when every draft is accepted (a cycle costs {metrics[served_names.CYCLE_COST]:.2f} plain tokens)"
         )
     if served >= needed:
         return f"served accepted length {served:.2f} is above the break-even {needed:.2f}: the draft pays for itself"
+    low, high = metrics[served_names.low(served_names.BREAK_EVEN)], metrics[served_names.high(served_names.BREAK_EVEN)]
     return (
-        f"served accepted length {served:.2f}; break-even on this machine {needed:.2f} "
-        f"[{metrics['break_even_accepted_length_low']:.2f}, {metrics['break_even_accepted_length_high']:.2f}]: "
+        f"served accepted length {served:.2f}; break-even on this machine {needed:.2f} [{low:.2f}, {high:.2f}]: "
         f"{needed - served:.2f} accepted tokens per cycle short of paying for itself"
     )
 
@@ -466,11 +451,12 @@ def served_verdict(metrics: dict[str, float]) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     """Serve a run's draft with its target in llama.cpp for a person to try, until Ctrl-C."""
     from harness.files import file_lock
-    from harness.run import SERVED_DIR, SERVING_LOCK_FILE, server_records
-    from harness.served import check_servable, check_served_format, gguf_files, served_shape
-    from harness.serving import ENGINE, EngineError, LlamaServer, check_port_free
-    from harness.targets import load_target
-    from harness.train import checkpoint_config, restore_draft
+    from harness.run import SERVED_DIR, SERVING_LOCK_FILE
+    from harness.serving.draft import check_servable, check_served_format, served_draft
+    from harness.serving.engine import ENGINE, EngineError
+    from harness.serving.gguf import target_gguf
+    from harness.serving.server import Session, check_port_free
+    from harness.train import TrainedRun
 
     if args.port is not None:
         check_port_free(args.port)  # before anything loads: a taken port is refused, never silently moved
@@ -478,27 +464,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = served_engine(args)
     run = located_run(args)
     check_served_writable(run)
-    state = run.load_checkpoint()
-    config = checkpoint_config(state)
-    check_served_format(config.algorithm.entry)
-    target = load_target(config.target, run.workdir, config.algorithm.shared.mask_token_id)
-    draft = restore_draft(state, target)
+    trained = TrainedRun.load(run)
+    check_served_format(trained.config.algorithm.entry)
+    target = trained.load_target()
+    draft = trained.draft(target)
     check_servable(draft)
-    block, spec_type = served_shape(draft)
-    log = run.path(SERVED_DIR) / "server.log"
+    session = Session.of(engine, run.workdir, run.path(SERVED_DIR))
     with file_lock(run.path(SERVED_DIR) / SERVING_LOCK_FILE, f"serving run {run.name}"):
-        target_gguf, draft_gguf = gguf_files(engine, run, draft, target)
-        server = LlamaServer(
-            engine, target_gguf, log, server_records(run.workdir), draft_gguf, block, spec_type, port=args.port
-        )
-        with server:
+        model, served_as = target_gguf(engine, run.workdir, target), served_draft(engine, run, draft, target)
+        with session.server(model, "server", served_as, port=args.port) as server:
             print(f"serving {run.name} with llama.cpp {engine.commit[:9]} at {server.url} (Ctrl-C stops it)")
             print(
                 f"try: curl {server.url}/v1/chat/completions -H 'Content-Type: application/json' "
                 """-d '{"messages": [{"role": "user", "content": "Write a haiku about the sea."}]}'"""
             )
             status = server.process.wait()  # until Ctrl-C, SIGTERM, or the server's own end
-    raise EngineError(f"llama-server stopped by itself with status {status}: {server.log_tail()} (log: {log})")
+    raise EngineError(
+        f"llama-server stopped by itself with status {status}: {server.log_tail()} (log: {server.log_path})"
+    )
 
 
 def add_system_metrics(parser: argparse.ArgumentParser) -> None:
@@ -609,7 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="confidence-scheduled verification for a member with a confidence head (DSpark): verify the draft "
         "prefix whose predicted cumulative acceptance is at least this (default: %(default)s, the whole block)",
     )
-    from harness.serving import ENGINE
+    from harness.serving.engine import ENGINE
 
     evaluate.add_argument(
         "--engine",
@@ -642,7 +625,7 @@ def user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that bad input or an unreachable service causes: shown as one line, not a traceback."""
     from sqlalchemy.exc import OperationalError
 
-    from harness.serving import EngineError
+    from harness.serving.engine import EngineError
 
     return (ValueError, LookupError, OSError, OperationalError, EngineError)
 

@@ -19,8 +19,8 @@ from algorithms.blocks import PackedRow
 from algorithms.knobs import check_section, knob
 from harness.decontamination import RUN_WORDS, Decontaminator
 from harness.files import atomic_write
-from harness.magpie import MAGPIE, synthesize
 from harness.regeneration import REGENERATORS, Journal, regenerate, template_ids
+from harness.serving.magpie import MAGPIE, synthesize
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ def load_conversations(config: DataConfig, cache_dir: Path, target=None) -> tupl
 def magpie_conversations(
     target, count: int, config: DataConfig, cache_dir: Path, decontaminator: Decontaminator | None
 ) -> tuple[list[list[dict]], int]:
-    """`count` instructions the target writes itself (harness/magpie.py), each a user turn it then answers."""
+    """`count` instructions the target writes itself (harness/serving/magpie.py), each a user turn it then answers."""
     if target is None or not config.regenerate:
         raise ValueError(
             f"invalid --data={config.dataset!r}: magpie's instructions are written and answered by the target; "

@@ -212,7 +212,7 @@ def exit_rank(status: int | None) -> NoReturn:
     FSDP2's device meshes keep the gloo process group, and its worker threads, alive past destroy_process_group.
     A worker that drops the last reference to a tensor while the interpreter finalizes cannot take the GIL and
     aborts the whole process ("terminate called without an active exception", exit -6): under CPU load, 5 of 40
-    two-rank jobs did with sys.exit, none of 40 through here (benchmarks/RANK_EXIT.md). Exit handlers (MLflow,
+    two-rank jobs did with sys.exit, none of 40 through here (benchmarks/training/RANK_EXIT.md). Exit handlers (MLflow,
     logging) still run and the streams are flushed; the process then ends before finalization."""
     if not in_multi_rank_job():
         sys.exit(status)

@@ -4,7 +4,7 @@ it will be verified against.
 Two backends decode the same templated prompt ids: transformers' `generate` in batches (any HF target), and
 llama.cpp's `llama-server` from the target's f32 GGUF with several slots decoding at once (continuous batching),
 2.3x as fast on a 2-core CPU. At T = 0 they agree token for token except where the target's top two logits
-nearly tie (benchmarks/REGENERATION.md). Finished turns are journaled as they land, so a killed regeneration
+nearly tie (benchmarks/serving/REGENERATION.md). Finished turns are journaled as they land, so a killed regeneration
 resumes without redoing them.
 """
 
@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -123,34 +121,23 @@ def hf_replies(target, config) -> Iterator[Replies]:
 
 @contextmanager
 def engine_replies(target, config, workdir: Path) -> Iterator[Replies]:
-    """`llama-server` from the target's f32 GGUF with `generation_batch_size` slots, each request a slot's turn: the
-    server batches whatever slots are decoding, so a finished reply's slot takes the next request at once."""
-    from harness.run import SERVED_DIR, server_records
-    from harness.serving import LlamaServer, find_engine, target_gguf
+    """`llama-server` with `generation_batch_size` slots, each request a slot's turn (harness/serving/parallel.py)."""
+    from harness.serving.parallel import parallel_requests
 
-    engine = find_engine()
-    model = target_gguf(engine, workdir, target)
+    tokenizer, tokens = target.tokenizer, config.max_new_tokens
     slots = config.generation_batch_size
-    # each slot holds a prompt shorter than max_length (a longer one is never sent) and its reply, in steps of 256
-    per_slot = 256 * math.ceil((config.max_length + config.max_new_tokens) / 256)
-    log_path = workdir / SERVED_DIR / "regeneration.log"
-    server = LlamaServer(engine, model, log_path, server_records(workdir), slots=slots, context=slots * per_slot)
-    with server, ThreadPoolExecutor(max_workers=slots) as pool:
-
-        def reply(dialogue: list[dict], seed: int) -> str:
-            ids = template_ids(target.tokenizer, dialogue, add_generation_prompt=True)
-            if len(ids) >= config.max_length:  # its document is cut at max_length before the reply: not sent (the
-                return ""  # slot could not hold it), and the document is the one the HF reply would have made
-            done = server.complete(ids, config.max_new_tokens, config.generation_temperature, seed)
-            return target.tokenizer.decode(done.tokens, skip_special_tokens=True).strip()
+    # each slot holds a prompt shorter than max_length (a longer one is never sent) and its reply
+    with parallel_requests(target, workdir, "regeneration", slots, config.max_length + tokens) as send:
 
         def replies(requests):
-            futures = {pool.submit(reply, dialogue, seed): i for i, dialogue, seed in requests}
-            try:
-                for future in as_completed(futures):
-                    yield futures[future], future.result()
-            finally:  # stopped early (Ctrl-C, SIGTERM, a failed request): queued requests never start
-                for future in futures:
-                    future.cancel()
+            jobs = []
+            for i, dialogue, seed in requests:
+                ids = template_ids(tokenizer, dialogue, add_generation_prompt=True)
+                if len(ids) >= config.max_length:  # its document is cut at max_length before the reply: not sent
+                    yield i, ""  # (no slot could hold it), and the document is the one the HF reply would have made
+                else:
+                    jobs.append((i, ids, tokens, config.generation_temperature, seed))
+            for i, done in send(jobs):
+                yield i, tokenizer.decode(done.tokens, skip_special_tokens=True).strip()
 
         yield replies

@@ -18,6 +18,7 @@ import mlflow
 from algorithms.metrics import ACCEPTED_LENGTHS, DRAFT_STEP_MS, REALIZED_ACCEPTED_LENGTH, SE_SUFFIX
 from harness.files import file_lock
 from harness.layout import ARTIFACTS, MLFLOW_STORE
+from harness.serving import metrics as served_names
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +31,12 @@ CURVE_PREFIX = "curve/"
 # Standard errors get a chart section of their own, se/<name as logged>: logged once at the last step, they would
 # otherwise sit as single points between the curves of the accept/, curve/ and val/ sections.
 SE_PREFIX = "se/"
-SERVED_PREFIX = "served/llama_cpp/"  # the run's draft served by llama.cpp, beside the harness's own numbers
 BEST_PREFIX, IMPORTANCE_PREFIX = "best/", "importance/"
-# A study's objectives and their directions, named as a trial run's columns are in reports. A served objective
-# is that served metric (SERVED_PREFIX + the value here) of each trial's run, served at the end of its training.
-SERVED_OBJECTIVES = {"served_speedup": "speedup", "served_tokens_per_s": "tokens_per_s_draft"}
+# A study's objectives and their directions, named as a trial run's columns are in reports (served ones: serving's).
 OBJECTIVES = {
     REALIZED_ACCEPTED_LENGTH: "maximize",
     DRAFT_STEP_MS: "minimize",
-    **dict.fromkeys(SERVED_OBJECTIVES, "maximize"),
+    **dict.fromkeys(served_names.OBJECTIVES, "maximize"),
 }
 # Param prefixes of a study's parent run.
 PINNED_PREFIX, STUDY_PREFIX = "pinned.", "study."

@@ -154,6 +154,27 @@ def restore_draft(state: dict, target: Target, device: str = "cpu") -> DFlashDra
     return draft
 
 
+@dataclass
+class TrainedRun:
+    """A run's last checkpoint and the config it was trained with: the one way from a run to its target and draft
+    (loaded in two steps, so a caller can refuse what the config cannot do before the target loads)."""
+
+    run: Run
+    state: dict
+    config: RunConfig
+
+    @classmethod
+    def load(cls, run: Run) -> TrainedRun:
+        state = run.load_checkpoint()
+        return cls(run, state, checkpoint_config(state))
+
+    def load_target(self, device: str = "cpu") -> Target:
+        return load_target(self.config.target, self.run.workdir, self.config.algorithm.shared.mask_token_id, device)
+
+    def draft(self, target: Target, device: str = "cpu") -> DFlashDraft:
+        return restore_draft(self.state, target, device)
+
+
 @torch.no_grad()
 def draft_step_ms(draft: DFlashDraft, rows: list[PackedRow], device: str, repeats: int = 8) -> float:
     """Median wall time of one inference draft step (one block over real validation context)."""

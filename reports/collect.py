@@ -17,6 +17,7 @@ from algorithms.metrics import ACCEPTED_LENGTHS, DRAFT_STEP_MS, HEADLINE_METRICS
 from harness import tracking
 from harness.config import TrainConfig
 from harness.run import VALIDATION_DOCUMENTS_FILE
+from harness.serving import metrics as served_names
 from harness.tracking import RunStatus
 from harness.validation import SUBSET_ROWS
 
@@ -30,23 +31,6 @@ MEASURED = {
     "measured_t1": "measured_accepted_length_t1",
     # committed tokens per token the target verified (a confidence-scheduled member verifies fewer)
     "measured_per_verified": "measured_accepted_length_greedy_accepted_per_verified",
-}
-# The run's draft served by llama.cpp (`evaluate --engine llama.cpp`), where it was.
-SERVED = {
-    "served_greedy": "accepted_length_greedy",
-    "served_agreement": "agreement_cycle_fraction",
-    "served_cycles": "cycles_compared",
-    "served_flips": "lossless_flips_vs_engine",
-    "served_flips_harness": "lossless_flips_vs_harness",
-    **tracking.SERVED_OBJECTIVES,  # served_speedup, served_tokens_per_s: a served objective is its own column
-    # the speed-up's interval over requests (runs served before it was measured have none)
-    "served_speedup_se": "speedup_se",
-    "served_speedup_low": "speedup_low",
-    "served_speedup_high": "speedup_high",
-    # the accepted length at which this draft's shape pays for itself on the serving machine (harness/break_even.py)
-    "served_break_even": "break_even_accepted_length",
-    "served_break_even_low": "break_even_accepted_length_low",
-    "served_break_even_high": "break_even_accepted_length_high",
 }
 
 
@@ -116,7 +100,7 @@ def collect(study: str, workdir: Path) -> StudyRecord:
             row[knob] = params.get(f"algo.{knob}", params.get(f"shared.{knob}", params.get(f"train.{knob}", "")))
         for name in (*HEADLINE_METRICS, DRAFT_STEP_MS):
             row[name] = metrics.get(tracking.metric_key(name, VAL), float("nan"))
-        for prefix, columns in ((EVAL, MEASURED), (tracking.SERVED_PREFIX, SERVED)):
+        for prefix, columns in ((EVAL, MEASURED), (served_names.PREFIX, served_names.COLUMNS)):
             for column, name in columns.items():
                 row[column] = metrics.get(tracking.metric_key(name, prefix), float("nan"))
                 row[se_name(column)] = metrics.get(tracking.metric_key(se_name(name), prefix), float("nan"))

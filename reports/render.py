@@ -28,7 +28,8 @@ from algorithms.metrics import (
 )
 from algorithms.registry import REFERENCE_ALGORITHM
 from harness import tracking
-from harness.break_even import interval_text
+from harness.serving import metrics as served_names
+from harness.serving.break_even import interval_text
 from harness.tracking import RunStatus
 from harness.uncertainty import Estimate, mean_estimate, unpaired_difference
 from harness.validation import per_position_rows, pooled_counts
@@ -219,15 +220,17 @@ def served_regime(record: StudyRecord) -> str:
     """Where the served drafters stand against the accepted length at which a draft of their shape pays for itself
     on the serving machine, so that no verdict is read as one about drafters that speed decoding up."""
     runs = record.runs
-    served = runs[runs["served_break_even"].notna()] if "served_break_even" in runs else runs.iloc[0:0]
+    served = (
+        runs[runs[served_names.BREAK_EVEN_COLUMN].notna()] if served_names.BREAK_EVEN_COLUMN in runs else runs.iloc[0:0]
+    )
     if served.empty:
         return (
             "**Against the break-even.** No run of this study was served with its break-even measured, so whether "
             "these drafters would speed decoding up was not measured here (`evaluate: {serve: llama.cpp}`; "
             "docs/scale.md)."
         )
-    best = served.loc[served["served_greedy"].idxmax()]
-    paying = int((served["served_greedy"] >= served["served_break_even"]).sum())
+    best = served.loc[served[served_names.GREEDY_COLUMN].idxmax()]
+    paying = int((served[served_names.GREEDY_COLUMN] >= served[served_names.BREAK_EVEN_COLUMN]).sum())
     verdict = (
         "none of the served runs pays for itself, so the verdicts below compare drafters that slow decoding down"
         if paying == 0
@@ -235,7 +238,7 @@ def served_regime(record: StudyRecord) -> str:
     )
     return (
         f"**Against the break-even.** Served by llama.cpp, the best run (`{best['run_name']}`) accepted "
-        f"{best['served_greedy']:.2f} tokens per cycle (speed-up {speedup_text(best)}) against a "
+        f"{best[served_names.GREEDY_COLUMN]:.2f} tokens per cycle (speed-up {speedup_text(best)}) against a "
         f"break-even of {break_even_text(best)}; {verdict}."
     )
 
@@ -279,7 +282,9 @@ def leaderboard(configs: list[Configuration]) -> str:
         return "## Leaderboard\n\nNo trial or baseline completed, so there is nothing to rank yet."
     best = configs[0]
     measured = any(c.runs[["measured_greedy", "measured_t1"]].notna().any().any() for c in configs)
-    served = any(c.runs["served_greedy"].notna().any() for c in configs if "served_greedy" in c.runs)
+    served = any(
+        c.runs[served_names.GREEDY_COLUMN].notna().any() for c in configs if served_names.GREEDY_COLUMN in c.runs
+    )
     members = len({c.first["algorithm"] for c in configs}) > 1  # a family comparison names each row's member
     knobs = knob_columns(configs)
     headers = [
@@ -323,7 +328,10 @@ def leaderboard(configs: list[Configuration]) -> str:
                     else []
                 ),
                 *(
-                    [measured_text(config, "served_greedy"), fmt(float(config.runs["served_agreement"].mean()))]
+                    [
+                        measured_text(config, served_names.GREEDY_COLUMN),
+                        fmt(float(config.runs[served_names.AGREEMENT_COLUMN].mean())),
+                    ]
                     if served
                     else []
                 ),
@@ -661,20 +669,20 @@ def _resolved_gain(config: Configuration) -> bool:
 def served_section(record: StudyRecord) -> str | None:
     """Each run a serving engine checked: its served acceptance beside the harness's, and how they agreed."""
     runs = record.runs
-    if runs.empty or "served_greedy" not in runs or runs["served_greedy"].isna().all():
+    if runs.empty or served_names.GREEDY_COLUMN not in runs or runs[served_names.GREEDY_COLUMN].isna().all():
         return None
     rows = [
         [
             f"`{run['run_name']}`",
             fmt(run["realized_accepted_length"]),
             fmt(run["measured_greedy"]),
-            fmt(run["served_greedy"]),
-            f"{run['served_agreement']:.3f} of {int(run['served_cycles'])}",
-            f"{int(run['served_flips'])} / {int(run['served_flips_harness'])}",
+            fmt(run[served_names.GREEDY_COLUMN]),
+            f"{run[served_names.AGREEMENT_COLUMN]:.3f} of {int(run[served_names.CYCLES_COLUMN])}",
+            f"{int(run[served_names.FLIPS_COLUMN])} / {int(run[served_names.FLIPS_HARNESS_COLUMN])}",
             speedup_text(run),
             break_even_text(run),
         ]
-        for _, run in runs[runs["served_greedy"].notna()].iterrows()
+        for _, run in runs[runs[served_names.GREEDY_COLUMN].notna()].iterrows()
     ]
     note = (
         "The run's draft served by llama.cpp (`evaluate --engine llama.cpp`, or the study's `evaluate.serve`) on "
@@ -696,21 +704,31 @@ def served_section(record: StudyRecord) -> str | None:
 def speedup_text(run) -> str:
     """`0.87 [0.76, 0.99]`: the served speed-up with its interval over requests; the value alone for a run served
     before the interval was measured."""
-    se = run.get("served_speedup_se", float("nan"))
+    se = run.get(served_names.se(served_names.OBJECTIVE_SPEEDUP), float("nan"))
     if se is None or math.isnan(se):
-        return fmt(run["served_speedup"], 2)
-    return Estimate(run["served_speedup"], se, run["served_speedup_low"], run["served_speedup_high"], 0).text()
+        return fmt(run[served_names.OBJECTIVE_SPEEDUP], 2)
+    return Estimate(
+        run[served_names.OBJECTIVE_SPEEDUP],
+        se,
+        run[served_names.low(served_names.OBJECTIVE_SPEEDUP)],
+        run[served_names.high(served_names.OBJECTIVE_SPEEDUP)],
+        0,
+    ).text()
 
 
 def break_even_text(run) -> str:
     """`3.62 [3.41, 3.85], 2.38 short`; `not measured` for a run served before break-evens were measured."""
-    needed = run.get("served_break_even", float("nan"))
+    needed = run.get(served_names.BREAK_EVEN_COLUMN, float("nan"))
     if needed is None or math.isnan(needed):
         return "not measured"
     if math.isinf(needed):
         return "not reached within the block"
-    interval = interval_text(needed, run["served_break_even_low"], run["served_break_even_high"])
-    short = needed - run["served_greedy"]
+    interval = interval_text(
+        needed,
+        run[served_names.low(served_names.BREAK_EVEN_COLUMN)],
+        run[served_names.high(served_names.BREAK_EVEN_COLUMN)],
+    )
+    short = needed - run[served_names.GREEDY_COLUMN]
     return f"{interval}, {short:.2f} short" if short > 0 else f"{interval}, paid for"
 
 

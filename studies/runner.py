@@ -30,7 +30,8 @@ from harness.config import RunConfig, TrainConfig, decay_steps
 from harness.evaluate import evaluate, log_evaluation
 from harness.files import file_lock
 from harness.run import Run
-from harness.tracking import SERVED_OBJECTIVES, RunStatus
+from harness.serving import metrics as served_names
+from harness.tracking import RunStatus
 from harness.train import Workspace, prepare_workspace, restore_draft, train, with_target_defaults
 from studies.claims import Claims, ClaimState
 from studies.schema import DESIGN_SAMPLER, PUBLISHED_SUFFIX, StudyDefinition, StudyDefinitionError
@@ -450,7 +451,7 @@ class StudyRunner:
             name = self.trial_run(trial.user_attrs.get(ATTR_ORIGIN, trial.number), seed)
             served = self._served(name, f"served for the objective {self.definition.objectives}")
         return [
-            served[SERVED_OBJECTIVES[o]] if o in SERVED_OBJECTIVES else result.validation[o]
+            served[served_names.OBJECTIVES[o]] if o in served_names.OBJECTIVES else result.validation[o]
             for o in self.definition.objectives
         ]
 
@@ -458,13 +459,13 @@ class StudyRunner:
         """The run's served/* metrics: the run served now by the study's engine on its prompts, or read back when
         a serving of it finished before (served/* landed, but a kill came before the study noted it: served once
         is enough)."""
-        from harness.served import serve_run, served_status
-        from harness.serving import find_engine
+        from harness.serving.compare import serve_run, served_status
+        from harness.serving.engine import find_engine
 
         run = Run(self.workdir, name, tracking.experiment_name(self.definition.name))
         state = run.load_checkpoint()  # and the run's MLflow id with it
         if served_status(run) is RunStatus.FINISHED:
-            return run.metrics(tracking.SERVED_PREFIX)
+            return run.metrics(served_names.PREFIX)
         draft = restore_draft(state, self.workspace.target, self.device)
         print(f"[serve] {name}: {why}", flush=True)
         evaluation, documents = self.definition.evaluation, self.workspace.data.validation
@@ -847,7 +848,7 @@ def launch(
     workdir.mkdir(parents=True, exist_ok=True)  # the default SQLite storage lives there
     check_against_target(definition, workdir)
     if definition.serve is not None and not worker:  # refused before any run trains, not after the last
-        from harness.serving import find_engine
+        from harness.serving.engine import find_engine
 
         find_engine()
     study = open_study(definition, url)

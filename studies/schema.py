@@ -24,7 +24,8 @@ from harness.design import (
     design_from_spec,
     longer_budget_spec,
 )
-from harness.tracking import BUDGETS_AS_BRANCHES, BUDGETS_FROM_SCRATCH, OBJECTIVES, SERVED_OBJECTIVES
+from harness.serving import metrics as served_names
+from harness.tracking import BUDGETS_AS_BRANCHES, BUDGETS_FROM_SCRATCH, OBJECTIVES
 
 DESIGN_SAMPLER = "design"  # a designed study's trials are its enqueued points, never sampled
 # A baseline runs a registered algorithm with the study's pinned shared knobs. `NAME` takes the base's
@@ -110,7 +111,7 @@ class StudyDefinition:
 
     @property
     def served_objectives(self) -> bool:
-        return any(o in SERVED_OBJECTIVES for o in self.objectives)
+        return any(o in served_names.OBJECTIVES for o in self.objectives)
 
     @property
     def directions(self) -> list[str]:
@@ -421,7 +422,7 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
             file.evaluate.registered_model,
             "a model name with one objective (a Pareto study has no single best run)",
         )
-    if any(o in SERVED_OBJECTIVES for o in objectives) and file.evaluate.serve is None:
+    if any(o in served_names.OBJECTIVES for o in objectives) and file.evaluate.serve is None:
         raise _fail(
             path,
             "objective",

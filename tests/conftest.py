@@ -313,7 +313,7 @@ def mlflow_server(backend_store_uri: str, *options: str):
     import time
     import urllib.request
 
-    from harness.serving import free_port
+    from harness.serving.server import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

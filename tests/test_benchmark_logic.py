@@ -7,8 +7,8 @@ import pytest
 import yaml
 
 from algorithms.metrics import ACCEPTED_LENGTHS
-from benchmarks.precision import arm_files, geometric_mean_ratio, paired
-from benchmarks.time_to_verdict import standing_from
+from benchmarks.studies.time_to_verdict import standing_from
+from benchmarks.training.precision import arm_files, geometric_mean_ratio, paired
 from reports.collect import StudyRecord
 
 
@@ -68,7 +68,7 @@ def test_a_verdict_counts_only_from_the_fit_after_which_every_later_fit_agrees()
 
 
 def completion(speed, accepted=(), drafted=0):
-    from harness.serving import Completion
+    from harness.serving.server import Completion
 
     return Completion(tokens=[0] * 10, accepted=list(accepted), tokens_per_s=speed, draft_n_accepted=drafted)
 
@@ -76,27 +76,33 @@ def completion(speed, accepted=(), drafted=0):
 def test_a_speedup_row_pools_prompts_by_category_and_counts_what_the_drafts_gave():
     """Two categories of two prompts: the draft runs 30 and 60 tokens/s where the target alone runs 60 (a ratio
     of sums: 0.75 overall); 3 accepted drafts over 4 cycles (accepted length 1.75); 3 of 40 tokens from drafts."""
-    from benchmarks.speedup import row
+    from benchmarks.serving.speedup import row
 
     alone = {"math": [60.0, 60.0], "coding": [60.0, 60.0]}
     served = {
         "math": [completion(30, [1, 0], 1), completion(30, [2], 2)],
         "coding": [completion(60, [0]), completion(60)],
     }
-    name, speedup, length, from_drafts, categories = row("`d`", served, alone)
+    (name, speedup, length, from_drafts, categories), values = row("`d`", served, alone)
     assert speedup.startswith("0.75 [") and length == "1.75" and from_drafts == "7.5%"
     assert categories == "math 0.500 [0.500, 0.500] · coding 1.000 [1.000, 1.000]"
+    assert values["accepted_length"] == 1.75 and values["by_category"]["math"] == [0.5, 0.5, 0.5]
 
 
 def test_the_target_alone_is_the_mean_of_its_passes_before_and_after_the_drafts():
     """A machine that sped up from 60 to 80 tokens/s during the launch: each prompt's baseline is 70, so a draft
     timed in between is not credited with the drift."""
-    from benchmarks.speedup import alone_speed, bracketed
+    from harness.serving.timing import bracketed, mean_speed
 
-    before = {"math": [completion(60), completion(50)], "chat": [completion(40)]}
-    after = {"math": [completion(80), completion(70)], "chat": [completion(60)]}
-    assert bracketed(before, after) == {"math": [70.0, 60.0], "chat": [50.0]}
-    assert alone_speed(before) == 50.0 and alone_speed(after) == 70.0
+    order = []
+    passes = {
+        "before": {"math": [completion(60), completion(50)], "chat": [completion(40)]},
+        "after": {"math": [completion(80), completion(70)], "chat": [completion(60)]},
+    }
+    timed = bracketed(lambda when: order.append(when) or passes[when], lambda: order.append("drafts") or "drafted")
+    assert order == ["before", "drafts", "after"] and timed.drafted == "drafted"
+    assert timed.alone_speeds() == {"math": [70.0, 60.0], "chat": [50.0]}
+    assert mean_speed(timed.before) == 50.0 and mean_speed(timed.after) == 70.0
 
 
 def test_the_speed_up_curve_tables_every_point_names_the_best_and_plots(tmp_path):
@@ -104,8 +110,8 @@ def test_the_speed_up_curve_tables_every_point_names_the_best_and_plots(tmp_path
     best by speed-up named with its break-even; the plot written where asked."""
     import argparse
 
-    from benchmarks.speedup_curve import Point, plot, render
-    from harness.break_even import BreakEven
+    from benchmarks.serving.speedup_curve import Point, plot, render
+    from harness.serving.break_even import BreakEven
     from harness.uncertainty import Estimate
 
     bar = BreakEven(60.0, (), 2.05, 1.95, 2.15)
@@ -120,11 +126,13 @@ def test_the_speed_up_curve_tables_every_point_names_the_best_and_plots(tmp_path
         runs="c1000-*", workdir="work", per_category=3, chat=8, tokens=128, until_eos=True, plot=tmp_path / "c.png"
     )
     engine = argparse.Namespace(commit="0c1e57098abc")
-    text = render(args, engine, points, 60.0, 59.0, 12.0)
+    found = render(args, engine, points, 60.0, 59.0, 12.0)
+    text = found.markdown()
     assert "| `c1000-b4-decay500` (branch of `c1000-b4`) | dflash2 | 4 | 1000 (80,000) | 500 | 1.870 | 1.41 |" in text
     assert f"0.810 [0.750, 0.870] | 1.95, {chat.text()} |" in text
-    assert "| 2.05 [1.95, 2.15] | 5.2 |" in text and "| – |" in text and "--plot" in text and "(c.png)" in text
+    assert "| 2.05 [1.95, 2.15] | 5.2 |" in text and "| – |" in text and "(c.png)" in text
     assert "Best: `c1000-b4`, accepted length 1.62, speed-up 0.810 [0.750, 0.870], against a break-even of 2.05" in text
-    assert "up to 128 new tokens or the end of the reply" in text and "--until-eos" in text
+    assert "up to 128 new tokens or the end of the reply" in text and found.provenance.engine == "0c1e57098abc"
+    assert found.values["c1000-b4"]["break_even"] == 2.05 and found.values["c1000-b4"]["realized"] == 2.05
     plot(points, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 0

@@ -21,6 +21,7 @@ from harness.decode import speculative_generate, target_greedy
 from harness.evaluate import evaluate, prompt_ids
 from harness.files import remove
 from harness.mtbench import mtbench_questions
+from harness.serving import metrics as served_names
 
 from conftest import E2E_MEMBERS, child_running, e2e_run_config, gone, started_server
 
@@ -218,8 +219,8 @@ def test_llama_cpp_serves_the_run_and_agrees_with_the_harness_cycle_by_cycle(
     match the records; the GGUF carries the draft's shape."""
     from harness.config import EvalConfig
     from harness.run import DRAFT_GGUF_FILE, SERVED_DIR, Run
-    from harness.served import log_served, serve_and_compare
-    from harness.serving import find_engine
+    from harness.serving.compare import log_served, serve_and_compare
+    from harness.serving.engine import find_engine
 
     engine = find_engine()
     result = served_runs[algorithm]
@@ -317,7 +318,7 @@ def test_sigterm_mid_request_records_the_serving_interrupted_and_a_rerun_logs_ea
 
     run = Run.at(served_runs["dspark"].run_dir)
     client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
-    metric = f"{tracking.SERVED_PREFIX}agreement_cycle_fraction"
+    metric = f"{served_names.PREFIX}agreement_cycle_fraction"
     rows = lambda: len(client.get_metric_history(run.run_id, metric))  # noqa: E731
     before = rows()
     evaluate = [*CLI, "evaluate", run.name, "--engine", "llama.cpp", "--workdir", str(e2e_workdir)]
@@ -364,8 +365,9 @@ def test_a_sigkill_during_the_drafts_conversion_leaves_no_converter_and_the_next
     e2e_workspace, e2e_workdir, served_runs
 ):
     from harness.run import DRAFT_GGUF_FILE, SERVED_DIR, Run
-    from harness.served import draft_gguf
-    from harness.serving import STAMP_SUFFIX, find_engine
+    from harness.serving.draft import draft_gguf
+    from harness.serving.engine import find_engine
+    from harness.serving.gguf import STAMP_SUFFIX
 
     run = Run.at(served_runs["dspark"].run_dir)
     served = run.path(SERVED_DIR)
@@ -412,7 +414,7 @@ def test_a_sigkilled_export_leaves_nothing_after_the_next_export(e2e_workdir, se
 def test_a_prompt_longer_than_the_context_is_refused_before_any_server_starts(
     cli, e2e_workdir, served_runs, tmp_path, monkeypatch
 ):
-    from harness.serving import CONTEXT, LlamaServer
+    from harness.serving.server import CONTEXT, LlamaServer
 
     def never(self):
         raise AssertionError("a server started")
@@ -444,7 +446,7 @@ def test_regeneration_through_llama_server_matches_hf_greedy_except_at_near_ties
     reply (and for a slot to hold it) is not sent, and its document is the one any reply would have made."""
     from harness.data import DataConfig, load_conversations, tokenize_conversation
     from harness.regeneration import Journal, regenerate, template_ids
-    from harness.served import cause_of
+    from harness.serving.compare import cause_of
 
     target, tokenizer = e2e_workspace.target, e2e_workspace.target.tokenizer
     config = DataConfig(
@@ -477,7 +479,7 @@ def test_magpie_instructions_are_written_by_the_target_in_llama_server_and_resum
 ):
     """The target writes its own instructions after its template's pre-query text: a synthesis SIGKILLed after a
     few have landed resumes from its journal without sampling them again, and a repeated one samples nothing."""
-    from harness.magpie import OPENINGS, pre_query_ids, synthesize
+    from harness.serving.magpie import OPENINGS, pre_query_ids, synthesize
 
     target, tokenizer = e2e_workspace.target, e2e_workspace.target.tokenizer
     assert tokenizer.decode(pre_query_ids(tokenizer)) == (
@@ -487,7 +489,7 @@ def test_magpie_instructions_are_written_by_the_target_in_llama_server_and_resum
     seed, count = 7, 12
     code = (
         "import sys; from pathlib import Path; from harness.targets import load_target; "
-        "from harness.magpie import synthesize; workdir = Path(sys.argv[1]); "
+        "from harness.serving.magpie import synthesize; workdir = Path(sys.argv[1]); "
         f"synthesize(load_target('smollm2-135m', workdir), {count}, {seed}, 2, workdir)"
     )
     process = subprocess.Popen([sys.executable, "-c", code, str(e2e_workdir)], stderr=subprocess.DEVNULL)

@@ -21,7 +21,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SKIP = re.compile(r"docs-test:\s*skip\s*\((?P<reason>[^)]+)\)")
 SHELL_BLOCK = re.compile(r"```(?:bash|sh|shell)\n(.*?)```", re.S)
 # Outputs the docs name that a run creates; they need not exist in a checkout.
-GENERATED = {"benchmarks/GPU_CHECK.json"}
+GENERATED = {"benchmarks/training/GPU_CHECK.json"}
 TOP_LEVEL = ("algorithms", "harness", "studies", "reports", "tests", "benchmarks", "docs", "scripts", "examples")
 
 
@@ -120,3 +120,54 @@ def test_the_docs_name_pages_that_exist_and_the_readme_links_every_one():
     readme = (ROOT / "README.md").read_text()
     unlinked = [p.name for p in PAGES[1:] if f"docs/{p.name}" not in readme]
     assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+# ---- the README is not a changelog -------------------------------------------------------------------------
+
+README_MAX_LINES = 110
+# A measured figure: a decimal (0.712, +0.234) or a clock time (16:11); integers are counts and settings.
+FIGURE = re.compile(r"(?<![\w./:-])[+\-−]?\d+(?:[.:]\d+)+(?![\w./:])")
+COMMIT_HASH = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+
+
+def quoted_figures(text: str) -> list[str]:
+    """The figures a page quotes: in its prose and text blocks, not in its commands, links or URLs."""
+    text = re.sub(r"```(?:bash|sh|shell)\n.*?```", "", text, flags=re.S)
+    text = re.sub(r"\]\([^)]*\)|https?://\S+|\S+://\S*", "", text)
+    return [figure.replace("−", "-") for figure in FIGURE.findall(text)]
+
+
+def recorded_text() -> str:
+    """Everything the benchmark records hold, minus signs written one way."""
+    from benchmarks.common import records
+
+    folders = records.BENCHMARKS.glob("*/records/*/*.json")
+    return "\n".join(path.read_text() for path in sorted(folders)).replace("−", "-").replace("\\u2212", "-")
+
+
+def test_the_readme_is_one_screen_or_two_with_no_commit_and_at_most_one_date():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES, "dated measurements belong in benchmark records and docs"
+    assert not COMMIT_HASH.findall(text), f"commit hashes in the README: {COMMIT_HASH.findall(text)}"
+    assert len(DATE.findall(text)) <= 1, f"dates in the README: {DATE.findall(text)}"
+
+
+def test_every_figure_the_readme_quotes_is_held_by_a_benchmark_record():
+    held = recorded_text()
+    figures = quoted_figures((ROOT / "README.md").read_text())
+    assert figures, "the README quotes its timings and verdicts"
+    missing = [figure for figure in figures if not re.search(rf"(?<![\d.]){re.escape(figure)}(?![\d])", held)]
+    assert not missing, f"figures the README quotes that no benchmark record holds: {missing}"
+
+
+def test_the_figure_check_can_fail():
+    assert quoted_figures("took 16:11, gained +0.234 [−0.040, 2.5] with `--steps 60` and 3 seeds") == [
+        "16:11",
+        "+0.234",
+        "-0.040",
+        "2.5",
+    ]
+    assert quoted_figures("```bash\ntrain --lr 0.001\n```\nsee [x](docs/v1.2.md), http://127.0.0.1:5000") == []
+    held = recorded_text()
+    assert "16:11" in held and "99:98:97" not in held

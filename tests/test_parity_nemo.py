@@ -13,7 +13,7 @@ pytest.importorskip(
     reason="nemo-automodel==0.7.0 is not installed (.ci/run installs it with --no-deps)",
 )
 
-from benchmarks.nemo_peers import (
+from benchmarks.common.nemo_peers import (
     fixed_nemo_anchors,
     frozen_modules,
     greedy_dataset_row,
@@ -135,7 +135,7 @@ def test_dspark_matches_nemo():
     from the anchor on. NeMo's L1 distance is twice our total variation (our weight 1.8). Without decay both
     weight every supervised slot alike; with decay NeMo divides by the weights' sum, we by the slots' count
     (a constant factor, named in the README)."""
-    from benchmarks.nemo_peers import nemo_dspark, nemo_dspark_loss
+    from benchmarks.common.nemo_peers import nemo_dspark, nemo_dspark_loss
 
     ours = tiny_draft("dspark", block_size=BLOCK, sample_from_anchor=True, position_weighting="uniform")
     assert ours.shared.loss_weights == {"ce": 0.1, "tv": 1.8}

@@ -20,7 +20,7 @@ pytest.importorskip(
     reason="nemo-automodel==0.7.0 is not installed (.ci/run installs it with --no-deps)",
 )
 
-from benchmarks.nemo_peers import (
+from benchmarks.common.nemo_peers import (
     fixed_nemo_anchors,
     frozen_modules,
     greedy_dataset_row,

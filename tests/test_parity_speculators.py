@@ -10,7 +10,7 @@ from conftest import anchors_for, packed_row, tiny_draft
 
 pytest.importorskip("speculators", reason="speculators==0.9.0 is not installed (.ci/run installs it with --no-deps)")
 
-from benchmarks.peers import (
+from benchmarks.common.peers import (
     fixed_anchors,
     speculators_draft,
     speculators_inputs,

@@ -265,7 +265,7 @@ def test_a_reference_arm_keeps_its_seed_spread_and_a_cited_transfer_reaches_the_
         row["wall_s"], row["max_steps"] = 60.0, 60
         record.documents[row["run_id"]] = frame
     record.runs = pd.concat([record.runs, pd.DataFrame([row for row, _ in runs])], ignore_index=True)
-    cited = {"steps": 240, "source": "benchmarks/BUDGET_TRANSFER.md", "labels": {"conv": "held", "arm": "grew"}}
+    cited = {"steps": 240, "source": "benchmarks/studies/BUDGET_TRANSFER.md", "labels": {"conv": "held", "arm": "grew"}}
     spec = {"type": "factorial", "factors": {"conv": [False, True], "selector": [False, True]}}
     record.parent["params"] |= {
         "study.design": json.dumps({**spec, "transfer_measured": cited}),
@@ -279,7 +279,10 @@ def test_a_reference_arm_keeps_its_seed_spread_and_a_cited_transfer_reaches_the_
     runs_cell, spread_cell = reference_row.split("|")[2:4]
     assert runs_cell.strip() == "3" and spread_cell.strip().endswith("(between its seeds)")
     assert 0.05 < float(spread_cell.split()[0]) < 0.075  # the seeds' 0.06, plus each run's anchor noise
-    assert "**At 240 steps.** This study runs one budget." in markdown and "`benchmarks/BUDGET_TRANSFER.md`" in markdown
+    assert (
+        "**At 240 steps.** This study runs one budget." in markdown
+        and "`benchmarks/studies/BUDGET_TRANSFER.md`" in markdown
+    )
     arm = _verdict_line(markdown, "- design runs (mean over its points) − `dflash`")
     assert "(Welch, 3 reference runs), at 60 steps; at 240 steps grew (measured separately: " in arm
     # The interval holds DFlash's seed spread: at least t(2) * 0.06 / sqrt(3) either side.

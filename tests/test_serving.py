@@ -15,17 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.serving import (
-    STAMP_SUFFIX,
-    Engine,
-    EngineError,
-    LlamaServer,
-    find_engine,
-    free_port,
-    gguf_problem,
-    stop_orphans,
-    to_gguf,
-)
+from harness.serving.engine import Engine, EngineError, find_engine
+from harness.serving.gguf import STAMP_SUFFIX, gguf_problem, to_gguf
+from harness.serving.server import LlamaServer, free_port, stop_orphans
 
 from conftest import child_running, gone, one_line, tiny_draft
 
@@ -150,12 +142,12 @@ def test_a_server_that_does_not_start_gives_its_last_log_lines_and_leaves_nothin
 
 
 def test_a_chosen_port_taken_before_the_bind_moves_to_another(engine, tmp_path, monkeypatch):
-    import harness.serving
+    import harness.serving.server
 
     busy, spare = free_port(), free_port()
     monkeypatch.setenv("FAKE_BUSY_PORT", str(busy))
     chosen = iter([busy, spare])
-    monkeypatch.setattr(harness.serving, "free_port", lambda: next(chosen))
+    monkeypatch.setattr(harness.serving.server, "free_port", lambda: next(chosen))
     with LlamaServer(engine, tmp_path / "model.gguf", tmp_path / "server.log", tmp_path / "servers") as server:
         assert server.port == spare and server.process.poll() is None
         process = server.process
@@ -179,7 +171,7 @@ def test_a_port_asked_for_and_taken_is_refused_never_moved(engine, tmp_path, cli
 
 
 def test_a_member_without_an_export_format_is_refused_in_one_line():
-    from harness.served import check_servable
+    from harness.serving.draft import check_servable
 
     with pytest.raises(EngineError, match=r"invalid --engine=llama.cpp for run of domino: cannot export a domino"):
         check_servable(tiny_draft("domino"))
@@ -187,7 +179,7 @@ def test_a_member_without_an_export_format_is_refused_in_one_line():
 
 def test_a_selector_lattice_wider_than_the_hidden_size_is_refused():
     """llama.cpp's DFlash2 lattice holds K + K*K scores per row in the hidden width: K(K + 1) <= hidden."""
-    from harness.served import check_servable
+    from harness.serving.draft import check_servable
 
     check_servable(tiny_draft("dflash2", candidate_top_k=7))  # 56 <= 64
     with pytest.raises(EngineError, match=r"top_k \* \(top_k \+ 1\) = 72 in llama.cpp, the target has 64; allowed "):
@@ -195,8 +187,8 @@ def test_a_selector_lattice_wider_than_the_hidden_size_is_refused():
 
 
 def test_served_cycles_are_compared_only_where_both_drafted_the_whole_block():
-    from harness.served import compare_cycles
-    from harness.serving import Completion
+    from harness.serving.compare import compare_cycles
+    from harness.serving.server import Completion
 
     served = Completion(tokens=[], accepted=[0, 2, 1, 0], drafted=[7, 7, 7, 3])
     assert compare_cycles([0, 2, 1, 1], [7, 7, 7, 2], served, 7)[:2] == (3, 3)  # the budget-cut last is left out
@@ -205,7 +197,7 @@ def test_served_cycles_are_compared_only_where_both_drafted_the_whole_block():
 
 
 def test_the_served_log_line_pattern_reads_the_real_servers_lines():
-    from harness.serving import CYCLE_LINE
+    from harness.serving.server import CYCLE_LINE
 
     line = "0.24.561.702 I slot   operator(): id  0 | task 12 | accepted  3/ 7 draft tokens"
     found = CYCLE_LINE.search(line)
@@ -218,7 +210,8 @@ def test_the_served_log_line_pattern_reads_the_real_servers_lines():
 STARTS_A_SERVER = """\
 import sys, time
 from pathlib import Path
-from harness.serving import LlamaServer, find_engine
+from harness.serving.engine import find_engine
+from harness.serving.server import LlamaServer
 work = Path(sys.argv[1])
 server = LlamaServer(find_engine(), work / "model.gguf", work / "server.log", work / "servers")
 server.__enter__()
@@ -401,7 +394,8 @@ def test_a_killed_conversion_leaves_no_converter_running(engine, converting, tmp
     ends it too, instead of leaving it to load (minutes, for a real target) and write on its own."""
     monkeypatch.setenv("FAKE_CONVERT_SECONDS", "60")
     code = (
-        "import sys; from pathlib import Path; from harness.serving import find_engine, to_gguf; "
+        "import sys; from pathlib import Path; from harness.serving.engine import find_engine; "
+        "from harness.serving.gguf import to_gguf; "
         "to_gguf(find_engine(), Path(sys.argv[1]), Path(sys.argv[1]) / 'served' / 'target-f32.gguf', 'the target')"
     )
     converting_process = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)])
@@ -498,11 +492,11 @@ def test_setup_rebuilds_an_engine_that_dies_on_a_quantized_model_without_the_ins
     assert (engine.root / "CPU_FLAGS").read_text().splitlines()[1] == "left out: AMX and AVX-512"
 
 
-# ---- the break-even (harness/break_even.py) -----------------------------------------------------------------
+# ---- the break-even (harness/serving/break_even.py) ------------------------------------------------------
 
 
 def test_the_crossing_is_read_by_linear_interpolation_between_measured_lengths():
-    from harness.break_even import crossing, synthetic_lengths
+    from harness.serving.break_even import crossing, synthetic_lengths
 
     assert crossing([1, 3, 5], [0.3, 0.8, 1.2]) == pytest.approx(3 + 0.2 / 0.4 * 2)  # 4.0
     assert crossing([1, 3, 5], [0.3, 0.8, 0.9]) == float("inf"), "never reached within the block"
@@ -513,21 +507,14 @@ def test_the_crossing_is_read_by_linear_interpolation_between_measured_lengths()
 def test_the_break_even_of_a_stand_in_engine_with_a_known_cycle_cost_is_that_cost(engine, tmp_path):
     """The stand-in's cycle costs 3.5 plain tokens at every length: speed-up L / 3.5, break-even 3.5, and the
     interval over prompts holds it."""
-    from harness.break_even import measure
+    from harness.serving.break_even import measure
+    from harness.serving.draft import ServedDraft
+    from harness.serving.server import Session
 
     prompts = [[1] * n for n in (3, 4, 5, 6, 7, 8)]
-    found = measure(
-        engine,
-        tmp_path / "t.gguf",
-        tmp_path / "d.gguf",
-        7,
-        "draft-dflash",
-        prompts,
-        8,
-        tmp_path,
-        tmp_path / "servers",
-        lengths=(1, 3, 5, 8),
-    )
+    session = Session(engine, tmp_path / "servers", tmp_path)
+    draft = ServedDraft("d", "dflash2", tmp_path / "d.gguf", 7, "draft-dflash")
+    found = measure(session, tmp_path / "t.gguf", draft, prompts, 8, lengths=(1, 3, 5, 8))
     assert [p.accepted_length for p in found.points] == [1, 3, 5, 8]
     assert [p.speedup.value for p in found.points] == pytest.approx([1 / 3.5, 3 / 3.5, 5 / 3.5, 8 / 3.5])
     assert found.length == pytest.approx(3.5) and found.low <= 3.5 <= found.high
@@ -579,7 +566,7 @@ def test_a_serving_that_stops_early_is_recorded_with_its_reason_never_left_runni
 
     from harness import tracking
     from harness.run import Run
-    from harness.served import served_status, serving
+    from harness.serving.compare import served_status, serving
     from harness.tracking import RunStatus
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -630,8 +617,10 @@ def test_each_request_is_timed_alone_before_and_after_the_draft_and_the_speed_up
     from types import SimpleNamespace
     from unittest import mock
 
-    from harness import served
-    from harness.serving import Completion
+    from harness.serving import compare as served
+    from harness.serving import server as servers
+    from harness.serving.draft import ServedDraft
+    from harness.serving.server import Completion, Session
 
     launches = []
 
@@ -651,20 +640,12 @@ def test_each_request_is_timed_alone_before_and_after_the_draft_and_the_speed_up
         def complete(self, prompt, tokens, *args, **kwargs):
             return Completion(list(prompt), accepted=[1, 2], drafted=[3, 3], tokens_per_s=self.speeds + len(prompt))
 
-    run = SimpleNamespace(path=lambda name: tmp_path / name, workdir=tmp_path)
     sets = {"chat": [[1], [1, 2], [1, 2, 3]]}
-    with (
-        mock.patch.object(served, "LlamaServer", Scripted),
-        mock.patch.object(served, "served_shape", lambda d: (3, "dflash")),
-    ):
+    session = Session(None, tmp_path / "servers", tmp_path)
+    draft = ServedDraft("run", "dflash", tmp_path / "d.gguf", 3, "dflash")
+    with mock.patch.object(servers, "LlamaServer", Scripted):
         with_draft, alone = served.serve_prompts(
-            None,
-            run,
-            (tmp_path / "t.gguf", tmp_path / "d.gguf"),
-            None,
-            sets,
-            [0.0],
-            SimpleNamespace(max_new_tokens=8, seed=0),
+            session, tmp_path / "t.gguf", draft, sets, [0.0], SimpleNamespace(max_new_tokens=8, seed=0)
         )
     assert launches == ["server-alone-before.log", "server-draft.log", "server-alone-after.log"]
     assert [c.tokens_per_s for c in alone["chat", 0.0]] == [91.0, 92.0, 93.0]  # (100 + n + 80 + n) / 2

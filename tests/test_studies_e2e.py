@@ -22,6 +22,7 @@ import reports.analysis
 from harness import tracking
 from harness.design import TRANSFER_MEANINGS
 from harness.devices import computes_in
+from harness.serving import metrics as served_names
 from reports.build import build_report_with_summary
 from reports.render import GENERATED_PREFIX
 from studies.storage import ATTR_INFEASIBLE, ATTR_RUN_ID, ATTR_WORKER, storage_url
@@ -743,12 +744,12 @@ def test_sigterm_in_a_studys_serving_step_stops_the_server_and_a_relaunch_serves
     assert parent.info.status == "KILLED" and parent.data.tags[tracking.TAG_STATUS] == "interrupted"
     (run,) = client.search_runs([experiment], "tags.`dflash_lab.role` = 'trial'")
     assert run.data.tags[tracking.TAG_SERVED_STATUS] == "interrupted"
-    assert not [key for key in run.data.metrics if key.startswith(tracking.SERVED_PREFIX)]
+    assert not [key for key in run.data.metrics if key.startswith(served_names.PREFIX)]
 
     relaunched = _launch(study_file, e2e_workdir, "--no-report", cwd=tmp_path)
     assert relaunched.returncode == 0, relaunched.stderr[-3000:]
     assert "[serve] served-stop-trial-0" in relaunched.stdout and "[trial" not in relaunched.stdout
-    metric = f"{tracking.SERVED_PREFIX}agreement_cycle_fraction"
+    metric = f"{served_names.PREFIX}agreement_cycle_fraction"
     assert len(client.get_metric_history(run.info.run_id, metric)) == 1
     assert client.get_run(run.info.run_id).data.tags[tracking.TAG_SERVED_STATUS] == "finished"
     assert client.get_run(parent.info.run_id).info.status == "FINISHED"
@@ -786,7 +787,7 @@ def test_a_study_served_for_its_objective_trades_the_speed_up_against_the_draft_
     client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
     for trial in complete:
         metrics = client.get_run(trial.user_attrs[ATTR_RUN_ID]).data.metrics
-        assert trial.values[0] == metrics[f"{tracking.SERVED_PREFIX}speedup"] > 0
+        assert trial.values[0] == metrics[f"{served_names.PREFIX}speedup"] > 0
         assert trial.values[1] > 0  # the draft's step time, ms
     experiment = client.get_experiment_by_name("dflash-lab/served-objective").experiment_id
     (parent,) = client.search_runs([experiment], "tags.`dflash_lab.role` = 'study'")

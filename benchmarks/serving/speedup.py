@@ -1,0 +1,245 @@
+"""The served speed-up as users measure it: tokens/s with a trained draft over the target alone, in llama.cpp, on
+MT-bench first turns by category and held-out chat prompts, at T = 0 and a fixed number of new tokens (or up to each
+reply's end, `--until-eos`), with a 95% interval over prompts, each drafter paired with the target alone timed
+before and after it; beside it, in the same run and on the same prompts, llama.cpp's training-free speculation
+(the n-gram types), and the draft's break-even on this machine. With the f32 target (the agreement check's setting)
+and the shipped Q4_1 target (what a user serves).
+
+    python -m benchmarks.serving.speedup --workdir work --run RUN      # a record for benchmarks/serving/SPEEDUP.md
+
+Run it on a quiet machine: it times decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
+from harness.data import DataConfig, dataset_parts, load_conversations, prepare_documents
+from harness.evaluate import chat_prompt_ids, prompt_ids
+from harness.mtbench import mtbench_records
+from harness.run import SERVED_DIR, Run
+from harness.serving import break_even
+from harness.serving import metrics as served_names
+from harness.serving.compare import accepted_length
+from harness.serving.draft import ServedDraft, served_draft
+from harness.serving.engine import find_engine
+from harness.serving.gguf import target_gguf
+from harness.serving.server import Completion, Session, complete_all
+from harness.serving.timing import bracketed, mean_speed
+from harness.targets import embedded_gguf_path
+from harness.train import TrainedRun
+from harness.uncertainty import ratio_estimate
+
+GROUP, PAGE = "serving", "SPEEDUP"
+NGRAM_TYPES = ("ngram-mod", "ngram-map-k", "ngram-cache", "ngram-simple")
+CHAT = "chat (held-out)"
+
+
+def prompts_by_category(tokenizer, per_category: int) -> dict[str, list[list[int]]]:
+    found: dict[str, list[list[int]]] = defaultdict(list)
+    for record in mtbench_records():
+        if len(found[record["category"]]) < per_category:
+            found[record["category"]].append(prompt_ids(tokenizer, record["turns"][0]))
+    return dict(found)
+
+
+def row(name: str, served: dict[str, list[Completion]], alone: dict[str, list[float]]) -> tuple[list[str], dict]:
+    """Speed-up overall and per category against the bracketed alone speeds, and what the drafts did: accepted
+    length over drafting cycles, and the share of generated tokens that came from accepted drafts; with the raw
+    numbers."""
+    overall = ratio_estimate(
+        [c.tokens_per_s for group in served.values() for c in group], [v for group in alone.values() for v in group]
+    )
+    completions = [c for group in served.values() for c in group]
+    cycles = [a for c in completions for a in c.accepted]
+    tokens = sum(len(c.tokens) for c in completions)
+    by_category = {
+        category: ratio_estimate([c.tokens_per_s for c in served[category]], group) for category, group in alone.items()
+    }
+    per_category = " · ".join(f"{category} {found.text()}" for category, found in by_category.items())
+    cells = [
+        name,
+        overall.text(),
+        f"{accepted_length(cycles):.2f}" if cycles else "no drafts",
+        f"{sum(c.draft_n_accepted for c in completions) / tokens:.1%}" if tokens else "-",
+        per_category,
+    ]
+    values = {
+        served_names.SPEEDUP: [overall.value, overall.low, overall.high],
+        "accepted_length": accepted_length(cycles) if cycles else None,
+        "by_category": {category: [e.value, e.low, e.high] for category, e in by_category.items()},
+    }
+    return cells, values
+
+
+@dataclass
+class Launches:
+    """One target model's llama-server launches in this benchmark: each serves the same prompts, alone, with a
+    trained draft or with an n-gram type, and logs under its own name."""
+
+    session: Session
+    model: Path
+    tag: str
+    prompts: dict[str, list[list[int]]]
+    args: argparse.Namespace
+
+    def serve(self, name: str, draft: ServedDraft | None = None, **options) -> dict[str, list[Completion]]:
+        with self.session.server(self.model, f"{self.tag}-{name}", draft, **options) as server:
+            return complete_all(server, self.prompts, self.args.tokens, not self.args.until_eos)
+
+
+TARGET_FILES = {"f32": "f32", "q4_1": "Q4_1 (shipped)"}
+
+
+def measure(args: argparse.Namespace) -> Record:
+    engine = find_engine()
+    runs = [TrainedRun.load(Run.locate(name, args.workdir)) for name in args.run]
+    first = runs[0].config
+    for trained in runs[1:]:
+        if (trained.config.target, trained.config.data) != (first.target, first.data):
+            raise SystemExit(
+                f"invalid --run={trained.run.name!r}: trained on other data or another target than "
+                f"{runs[0].run.name!r}; allowed runs that share the first run's target and data (its held-out chat "
+                "prompts are served)"
+            )
+    workdir = runs[0].run.workdir
+    target = runs[0].load_target()
+    drafts = [served_draft(engine, trained.run, trained.draft(target), target) for trained in runs]
+    prompts = prompts_by_category(target.tokenizer, args.per_category)
+    if args.chat and args.chat_data is None:  # the first run's held-out conversations, up to their first reply
+        prompts[CHAT] = chat_prompt_ids(prepare_documents(target, first.data, workdir).validation, args.chat)
+    elif args.chat:  # another source's first user turns, in its seeded order (a chitchat run's held-out ones first)
+        trained_on = {source for source, _ in dataset_parts(first.data.dataset)}
+        if trained_on & {source for source, _ in dataset_parts(args.chat_data)}:
+            raise SystemExit(f"invalid --chat-data={args.chat_data!r}: the runs trained on it; allowed another source")
+        other = DataConfig(dataset=args.chat_data, num_conversations=args.chat, num_validation=1)
+        conversations, _ = load_conversations(other, workdir)
+        prompts[f"{args.chat_data} (not trained on)"] = [
+            prompt_ids(target.tokenizer, c[0]["content"]) for c in conversations
+        ]
+    session = Session.of(engine, workdir, runs[0].run.path(SERVED_DIR) / "speedup-benchmark")
+    models = {"f32": target_gguf(engine, workdir, target), "q4_1": embedded_gguf_path(first.target)}
+    blocks, values = [], {}
+    for key in args.targets:
+        target_name, model = TARGET_FILES[key], models[key]
+        started = time.monotonic()
+        launches = Launches(session, model, key, prompts, args)
+
+        def drafted(launches: Launches = launches) -> dict[str, dict[str, list[Completion]]]:
+            served = {d.label: launches.serve(f"draft-{d.name}", d) for d in drafts}
+            served.update({f"`{ngram}`": launches.serve(ngram, spec_type=ngram) for ngram in NGRAM_TYPES})
+            return served
+
+        timed = bracketed(lambda when, launches=launches: launches.serve(f"alone-{when}"), drafted)
+        alone = timed.alone_speeds()
+        rows = {name: row(name, completions, alone) for name, completions in timed.drafted.items()}
+        lines = break_evens(session, model, drafts, prompts, args)
+        values[key] = {"alone_tokens_per_s": [mean_speed(timed.before), mean_speed(timed.after)]}
+        values[key] |= {name.strip("`"): found for name, (_, found) in rows.items()}
+        columns = [
+            "drafter",
+            "speed-up [95%]",
+            "accepted length (drafting cycles)",
+            "tokens from drafts",
+            "by category",
+        ]
+        blocks += [
+            f"**{target_name} target**: alone {mean_speed(timed.before):.1f} tokens/s before the drafts, "
+            f"{mean_speed(timed.after):.1f} after ({(time.monotonic() - started) / 60:.0f} min).",
+            Table(columns, [cells for cells, _ in rows.values()]),
+            "\n\n".join(lines),
+        ]
+    count = sum(len(g) for g in prompts.values())
+    trained = "; ".join(f"{t.run.name}: {t.config.train.max_steps} steps, seed {t.config.train.seed}" for t in runs)
+    about = (
+        f"{count} prompts: MT-bench first turns ({args.per_category} per category, the first by question id) and "
+        f"{args.chat} of {held_out(args)}, {reply_length(args)}, T = 0. Trained on {first.data.num_conversations} "
+        f"conversations ({trained}). Each speed-up is paired by prompt with the target alone, timed before and after "
+        "every drafter (the mean of the two)."
+    )
+    title = ", ".join(f"`{t.run.name}`" for t in runs)
+    return Record(title, [about, *blocks], values, Provenance.now(engine=engine.commit))
+
+
+def break_evens(session: Session, model: Path, drafts: list[ServedDraft], prompts, args) -> list[str]:
+    """The break-even of each draft shape served (once per shape: synthetic acceptance times the shape, not the
+    weights), on this target."""
+    flat = [p for group in prompts.values() for p in group][: args.break_even_prompts]
+    lines, measured = [], set()
+    for draft in drafts:
+        if draft.shape in measured:
+            continue
+        measured.add(draft.shape)
+        lengths = break_even.synthetic_lengths(draft.block, 5)
+        found = break_even.measure(session, model, draft, flat, args.tokens, lengths)
+        lines.append(
+            f"Break-even of a block-{draft.block + 1} draft (`{draft.spec_type}`) on this target: accepted length "
+            f"{found.text()} (cycle cost {found.cycle_cost:.2f} plain tokens)."
+        )
+    return lines
+
+
+def serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """The prompts and lengths a served benchmark decodes, shared by the speed-up and its curve."""
+    parser.add_argument("--workdir", type=Path, default=Path("work"), help="work directory (default: ./work)")
+    parser.add_argument("--per-category", type=int, default=3, help="MT-bench prompts per category (default: 3)")
+    parser.add_argument("--chat", type=int, default=8, help="held-out chat prompts of the run (default: 8)")
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens per request (default: 128)")
+    parser.add_argument("--break-even-prompts", type=int, default=8, help="prompts of the break-even (default: 8)")
+    parser.add_argument(
+        "--until-eos", action="store_true", help="stop each reply at its end-of-sequence token (default: decode all)"
+    )
+
+
+def held_out(args: argparse.Namespace) -> str:
+    """Which conversations the chat prompts are, as the benchmark's text states it."""
+    if args.chat_data is None:
+        return "the run's held-out chat conversations"
+    return f"the first user turns of `{args.chat_data}` in its seeded order (not in the runs' training data)"
+
+
+def reply_length(args: argparse.Namespace) -> str:
+    """How long each served reply was, as the benchmark's text states it."""
+    if args.until_eos:
+        return f"up to {args.tokens} new tokens or the end of the reply"
+    return f"{args.tokens} new tokens each (`ignore_eos`)"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serving_arguments(parser)
+    parser.add_argument(
+        "--chat-data",
+        help="serve the first user turns of this source (e.g. chitchat, for a run trained on other data) as the "
+        "chat prompts (default: the run's own held-out conversations)",
+    )
+    parser.add_argument(
+        "--run",
+        required=True,
+        action="append",
+        help="a trained run whose draft is served (name or directory); give it again to serve several in one "
+        "launch, each paired with the same alone passes (runs sharing the first one's target and data)",
+    )
+    parser.add_argument(
+        "--targets",
+        nargs="+",
+        choices=list(TARGET_FILES),
+        default=list(TARGET_FILES),
+        help="the target files served: f32 (the agreement check's) and the shipped q4_1 (default: both)",
+    )
+    page_argument(parser, GROUP, PAGE)
+    args = parser.parse_args()
+    page = Page.named(GROUP, args.page or PAGE)
+    found = measure(args)
+    written = page.add(found)
+    print(found.markdown())
+    print(f"recorded {written}; rendered {page.path}")
+
+
+if __name__ == "__main__":
+    main()
