@@ -1,8 +1,10 @@
-"""One analysed study: what every section of its report reads, computed once from the tracking store.
+"""One analysed study: every fact its report states, computed once from the tracking store.
 
-`analyse` slices the runs at the first budget, groups them into configurations and fits a design at each of its
-budgets; the sections (reports/render.py, reports/designed.py) only render what it found, and the parent run's
-design metrics and transfer tags come from the same object, so a report never fits the same design twice.
+`analyse` slices the runs at the first budget, groups them into configurations, fits a design at each of its
+budgets and labels how each effect carried to the longer ones, finds the Pareto front of a two-objective study and
+where the served runs stand against their break-even. The sections (reports/sections.py, reports/designed.py)
+only render what it found, and the parent run's design metrics and transfer tags come from the same object, so a
+report never fits the same design twice.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import pandas as pd
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
 from harness import tracking
 from harness.design import Design, design_from_spec
+from harness.pareto import pareto_front
+from harness.serving import metrics as served_names
 from harness.uncertainty import Estimate, ratio_estimate
 from harness.validation import pairs
 from reports.collect import StudyRecord
-from reports.effects import Fit, Unit, fit_design
+from reports.effects import Effect, Fit, Unit, fit_design, transfer_label
 from reports.estimates import Configuration, configurations, estimate
 
 MIN_RESIDUAL_DOF = 4  # `interactions: auto` fits the resolved 2FIs only while this many residual df remain
@@ -128,12 +132,48 @@ class BudgetFit:
 
 
 @dataclass(frozen=True)
+class Carried:
+    """How one effect carried from the first budget to a longer one."""
+
+    term: str
+    short: Effect
+    long: Effect
+    label: str  # held, shrank, grew, reversed, appeared, vanished, inconclusive (harness.design.TRANSFER_MEANINGS)
+    change: Estimate  # longer − shorter (Welch)
+
+
+@dataclass(frozen=True)
 class DesignAnalysis:
-    """A designed study's fits: at its first budget, and at each longer one on the design those ran."""
+    """A designed study's fits: at its first budget, and at each longer one on the design those ran; and how each
+    effect carried to each longer budget (empty where either fit has no effects yet)."""
 
     recorded: RecordedDesign
     first: BudgetFit
     longer: list[BudgetFit]
+    carried: dict[int, list[Carried]]  # longer budget's steps -> each term's transfer
+
+    def transfer_labels(self) -> dict[str, str]:
+        """`steps/term` -> label: the parent run's tags."""
+        return {f"{steps}/{c.term}": c.label for steps, found in self.carried.items() for c in found}
+
+
+@dataclass(frozen=True)
+class ParetoFront:
+    """A two-objective study's trials that no other trial beats on both objectives (means over seeds)."""
+
+    objectives: list[str]
+    directions: list[str]
+    considered: list[Configuration]  # completed trials with both values
+    front: list[tuple[Configuration, list[float]]]  # best on the second objective first
+
+
+@dataclass(frozen=True)
+class ServedStanding:
+    """The runs served with their break-even measured, where the best of them stands, and how many pay."""
+
+    runs: pd.DataFrame
+    best: pd.Series | None  # the highest served accepted length
+    paying: int  # served accepted length at or above its break-even
 
 
 @dataclass(frozen=True)
@@ -145,6 +185,8 @@ class StudyAnalysis:
     record: StudyRecord
     configs: list[Configuration]
     design: DesignAnalysis | None
+    pareto: ParetoFront | None
+    served: ServedStanding
 
 
 def budget_fit(record: StudyRecord, recorded: RecordedDesign, steps: int | None) -> BudgetFit:
@@ -161,13 +203,51 @@ def analyse_design(record: StudyRecord) -> DesignAnalysis | None:
         return None
     first, *longer = recorded.budgets or [None]
     longer_design = dataclasses.replace(recorded, design=recorded.longer)
-    return DesignAnalysis(
-        recorded,
-        budget_fit(record, recorded, first if longer else None),
-        [budget_fit(record, longer_design, steps) for steps in longer],
-    )
+    short = budget_fit(record, recorded, first if longer else None)
+    fits = [budget_fit(record, longer_design, steps) for steps in longer]
+    return DesignAnalysis(recorded, short, fits, {fit.steps: carried(short.fit, fit.fit) for fit in fits})
+
+
+def carried(short: Fit, long: Fit) -> list[Carried]:
+    """Each effect of the first budget's fit beside the same term at a longer budget, labelled."""
+    at_long = {e.term: e for e in long.effects}
+    found = []
+    for effect in short.effects:
+        if effect.term in at_long:
+            label, change = transfer_label(effect, at_long[effect.term])
+            found.append(Carried(effect.term, effect, at_long[effect.term], label, change))
+    return found
+
+
+def pareto(record: StudyRecord, configs: list[Configuration]) -> ParetoFront | None:
+    """The front of a two-objective study over its completed trials; None for a one-objective study."""
+    objectives = record.parent["params"].get("study.objectives", "").split(",")
+    if len(objectives) != 2 or any(o not in tracking.OBJECTIVES for o in objectives):
+        return None
+    directions = [tracking.OBJECTIVES[o] for o in objectives]
+    trials = [
+        (c, [float(c.runs[o].mean()) for o in objectives])
+        for c in configs
+        if c.first["role"] == tracking.ROLE_TRIAL and all(c.runs[o].notna().any() for o in objectives)
+    ]
+    values = dict(zip([id(c) for c, _ in trials], [v for _, v in trials], strict=True))
+    front = pareto_front(trials, directions)
+    sign = 1.0 if directions[1] == "maximize" else -1.0
+    front.sort(key=lambda c: -sign * values[id(c)][1])  # best on the second objective first
+    return ParetoFront(objectives, directions, [c for c, _ in trials], [(c, values[id(c)]) for c in front])
+
+
+def served_standing(record: StudyRecord) -> ServedStanding:
+    runs = record.runs
+    column = served_names.BREAK_EVEN_COLUMN
+    served = runs[runs[column].notna()] if column in runs else runs.iloc[0:0]
+    if served.empty:
+        return ServedStanding(served, None, 0)
+    best = served.loc[served[served_names.GREEDY_COLUMN].idxmax()]
+    return ServedStanding(served, best, int((served[served_names.GREEDY_COLUMN] >= served[column]).sum()))
 
 
 def analyse(record: StudyRecord) -> StudyAnalysis:
     first = first_budget(record)
-    return StudyAnalysis(record, first, study_configurations(first), analyse_design(record))
+    configs = study_configurations(first)
+    return StudyAnalysis(record, first, configs, analyse_design(record), pareto(first, configs), served_standing(first))

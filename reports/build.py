@@ -7,8 +7,9 @@ from pathlib import Path
 from harness import tracking
 from reports.analysis import analyse
 from reports.collect import collect
-from reports.designed import design_metrics, transfer_section
-from reports.render import headline, leaderboard_frame, render_comparison, render_with_summary
+from reports.designed import design_metrics
+from reports.render import render_comparison, render_with_summary
+from reports.sections import headline, leaderboard_frame
 
 LEADERBOARD_TABLE = "report/leaderboard.json"
 
@@ -41,7 +42,8 @@ def build_report_with_summary(study: str, workdir: Path, out_root: Path | None =
     logged = tracking.ChangedMetrics(client, parent)
     for key, value in design_metrics(analysis).items():  # a rebuilt report adds no rows
         logged.log(key, value)
-    for key, value in transfer_section(analysis)[2].items():  # how each verdict carried to a longer budget
+    labels = analysis.design.transfer_labels() if analysis.design else {}
+    for key, value in labels.items():  # how each verdict carried to a longer budget
         client.set_tag(parent, tracking.transfer_tag(key), value)
     return path, summary
 

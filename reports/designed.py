@@ -13,7 +13,8 @@ from harness.uncertainty import Estimate, mean_estimate, t_interval, unpaired_di
 from harness.validation import SUBSET_ROWS
 from reports.analysis import RecordedDesign, StudyAnalysis, run_value
 from reports.collect import StudyRecord
-from reports.effects import ARM, Effect, Fit, transfer_label
+from reports.effects import ARM, Effect, Fit
+from reports.markdown import plain_table
 
 LAST_PART = 1 / 3  # the learning-curve gain is measured over the last third of training
 
@@ -76,7 +77,7 @@ def effects_section(
     # A factorial's effect is its high level minus its low; a one-at-a-time move's, the move minus the centre
     # (a member design's `algorithm=M`: M − the base member).
     difference = "high − low" if design.kind == FACTORIAL else "move − centre"
-    parts.append(table_markdown([f"effect ({difference})", "estimate [95% interval]", "label", "detectable"], rows))
+    parts.append(plain_table([f"effect ({difference})", "estimate [95% interval]", "label", "detectable"], rows))
     if fit.reference_noise is not None:
         parts.append(noise_by_arm(fit, recorded.reference))
     measured = recorded.transfer_measured
@@ -129,13 +130,8 @@ def noise_by_arm(fit: Fit, reference: str) -> str:
         "measurement noise (which validation anchors there are, the within-run SE). The reference arm trains another "
         "algorithm and keeps its own spread: design − reference is the difference of the two arms' means, each "
         "with its own variance (Welch), so the reference's seed noise is inside that interval.\n\n"
-        + table_markdown(["arm", "runs", "spread between runs (sd)", "within-run SE (rms)", "beyond measurement"], rows)
+        + plain_table(["arm", "runs", "spread between runs (sd)", "within-run SE (rms)", "beyond measurement"], rows)
     )
-
-
-def table_markdown(headers: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
 def curve_estimate(row: pd.Series, metric: str = REALIZED_ACCEPTED_LENGTH) -> Estimate:
@@ -195,7 +191,7 @@ def curves_section(record: StudyRecord, figure: str | None) -> tuple[str, str]:
             "last third is what the schedule produces whether or not a longer budget would help."
         )
     )
-    parts.append(table_markdown(["run", "steps", "gain [95% interval]"], rows))
+    parts.append(plain_table(["run", "steps", "gain [95% interval]"], rows))
     suffix = f", at {budget} steps, still improving" if improving else f", at {budget} steps"
     return "\n\n".join(parts), suffix
 
@@ -239,11 +235,11 @@ def design_metrics(analysis: StudyAnalysis) -> dict[str, float]:
     }
 
 
-def transfer_section(analysis: StudyAnalysis) -> tuple[str | None, dict[str, str], dict[str, str]]:
-    """How each effect carried from the first budget to each longer one. Returns the section (None with one
-    budget), each term's verdict-line suffix, and the labels for the parent run's tags (`steps/term` -> label)."""
+def transfer_section(analysis: StudyAnalysis) -> tuple[str | None, dict[str, str]]:
+    """How each effect carried from the first budget to each longer one (labelled in the analysis). Returns the
+    section (None with one budget) and each term's verdict-line suffix."""
     if analysis.design is None or not analysis.design.longer:
-        return None, {}, {}
+        return None, {}
     recorded, short_fit = analysis.design.recorded, analysis.design.first.fit
     first, *longer = recorded.budgets
     parts = [
@@ -255,7 +251,6 @@ def transfer_section(analysis: StudyAnalysis) -> tuple[str | None, dict[str, str
         + "\n".join(f"- *{name}*: {meaning}." for name, meaning in TRANSFER_MEANINGS.items()),
     ]
     suffixes: dict[str, str] = {}
-    labels: dict[str, str] = {}
     for at_longer in analysis.design.longer:
         steps, long_fit = at_longer.steps, at_longer.fit
         parts.append(f"### {first} → {steps} steps")
@@ -263,21 +258,23 @@ def transfer_section(analysis: StudyAnalysis) -> tuple[str | None, dict[str, str
         if not short_fit.effects or not long_fit.effects:
             parts.append(f"No transfer can be labelled yet: {long_fit.note or short_fit.note or 'no finished run'}.")
             continue
-        at_long = {e.term: e for e in long_fit.effects}
         rows = []
-        for short in short_fit.effects:
-            long = at_long.get(short.term)
-            if long is None:
-                continue
-            found, change = transfer_label(short, long)
-            name = term_label(short.term, recorded.reference)
-            cells = [f"{e.estimate.text(signed=True)} {e.label}" for e in (short, long)]  # no `|` inside a cell
-            rows.append([name, *cells, change.text(signed=True), f"**{found}**"])
-            suffixes[short.term] = suffixes.get(short.term, "") + f"; at {steps} steps {long.text()}: {found}"
-            labels[f"{steps}/{short.term}"] = found
-        parts.append(table_markdown(["effect", f"at {first} steps", f"at {steps} steps", "change", "transfer"], rows))
+        for found in analysis.design.carried[steps]:
+            cells = [f"{e.estimate.text(signed=True)} {e.label}" for e in (found.short, found.long)]  # no `|` inside
+            rows.append(
+                [
+                    term_label(found.term, recorded.reference),
+                    *cells,
+                    found.change.text(signed=True),
+                    f"**{found.label}**",
+                ]
+            )
+            suffixes[found.term] = (
+                suffixes.get(found.term, "") + f"; at {steps} steps {found.long.text()}: {found.label}"
+            )
+        parts.append(plain_table(["effect", f"at {first} steps", f"at {steps} steps", "change", "transfer"], rows))
         parts.append(budget_gains(short_fit, long_fit, first, steps, recorded))
-    return "\n\n".join(parts), suffixes, labels
+    return "\n\n".join(parts), suffixes
 
 
 def longer_design_text(recorded: RecordedDesign, steps: int) -> str:

@@ -29,6 +29,7 @@ from harness import tracking
 from harness.config import RunConfig, TrainConfig, decay_steps
 from harness.evaluate import evaluate, log_evaluation
 from harness.files import file_lock
+from harness.pareto import pareto_front
 from harness.run import Run
 from harness.serving import metrics as served_names
 from harness.tracking import RunStatus
@@ -658,10 +659,9 @@ class StudyRunner:
                 if self.definition.register is not None:
                     summary["registered"] = self.register(best)
             else:
-                summary["pareto_front"] = [
-                    {"trial": t.number, "values": t.values, "params": t.params} for t in self.study.best_trials
-                ]
-                front = ", ".join(f"trial {t.number}" for t in sorted(self.study.best_trials, key=lambda t: t.number))
+                best = pareto_front([(t, t.values) for t in completed], self.definition.directions)
+                summary["pareto_front"] = [{"trial": t.number, "values": t.values, "params": t.params} for t in best]
+                front = ", ".join(f"trial {t.number}" for t in sorted(best, key=lambda t: t.number))
                 client.set_tag(self.parent_run_id, tracking.TAG_PARETO_FRONT, front)
             try:
                 if self.definition.design is not None:

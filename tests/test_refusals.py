@@ -190,7 +190,7 @@ def test_optunas_line_for_a_stopped_trial_keeps_no_stack():
 
 
 def test_a_zero_width_difference_is_identical_runs_not_noise():
-    from reports.render import IDENTICAL, NOISE, verdict
+    from reports.markdown import IDENTICAL, NOISE, verdict
 
     identical = verdict(Estimate(0.0, 0.0, 0.0, 0.0, 8))
     assert identical.endswith(IDENTICAL) and NOISE not in identical

@@ -20,7 +20,9 @@ from harness.validation import ANCHORS_COLUMN, DOCUMENT_COLUMN, SUM_SUFFIX, TOTA
 from reports.analysis import study_configurations
 from reports.collect import TUNED_KNOBS, StudyRecord
 from reports.estimates import configurations, difference
-from reports.render import NOISE, component_ablation, render
+from reports.markdown import NOISE
+from reports.render import render
+from reports.sections import component_ablation
 
 DOCUMENTS = 24
 ANCHORS = np.random.default_rng(99).integers(20, 80, size=DOCUMENTS)
@@ -297,7 +299,8 @@ def test_the_report_states_where_served_runs_stand_against_their_break_even():
     a study that served nothing says that this was not measured."""
     from types import SimpleNamespace
 
-    from reports.render import served_regime
+    from reports.analysis import served_standing
+    from reports.sections import served_regime
 
     runs = pd.DataFrame(
         {
@@ -309,13 +312,14 @@ def test_the_report_states_where_served_runs_stand_against_their_break_even():
             "served_break_even_high": [3.85, 3.80, float("nan")],
         }
     )
-    text = served_regime(SimpleNamespace(runs=runs))
+    text = served_regime(served_standing(SimpleNamespace(runs=runs)))
     assert "the best run (`best`) accepted 1.24 tokens per cycle (speed-up 0.51)" in text
     assert "break-even of 3.61 [3.40, 3.85], 2.37 short" in text and "none of the served runs pays for itself" in text
     runs.loc[1, ["served_greedy", "served_break_even"]] = [2.10, 1.95]
-    text = served_regime(SimpleNamespace(runs=runs))
+    text = served_regime(served_standing(SimpleNamespace(runs=runs)))
     assert "the best run (`reference`) accepted 2.10" in text and "1 of 2 served runs pay for themselves" in text
-    assert "was not measured here" in served_regime(SimpleNamespace(runs=runs.drop(columns=["served_break_even"])))
+    unmeasured = served_standing(SimpleNamespace(runs=runs.drop(columns=["served_break_even"])))
+    assert "was not measured here" in served_regime(unmeasured)
 
 
 def test_a_two_objective_study_reports_the_trials_no_other_beats_on_both():
@@ -324,9 +328,10 @@ def test_a_two_objective_study_reports_the_trials_no_other_beats_on_both():
     has no such section."""
     from types import SimpleNamespace
 
+    from reports.analysis import pareto
     from reports.collect import OTHER_KNOBS
     from reports.estimates import Configuration
-    from reports.render import pareto_section
+    from reports.sections import pareto_section
 
     def trial(number, rank, realized, ms, speedup=float("nan")):
         row = {k: "" for k in (*TUNED_KNOBS, *OTHER_KNOBS)}
@@ -334,6 +339,7 @@ def test_a_two_objective_study_reports_the_trials_no_other_beats_on_both():
             {
                 "seed": "0",
                 "role": "trial",
+                "algorithm": "dflash2",
                 "selector_rank": rank,
                 REALIZED_ACCEPTED_LENGTH: realized,
                 "draft_step_ms": ms,
@@ -344,17 +350,40 @@ def test_a_two_objective_study_reports_the_trials_no_other_beats_on_both():
 
     configs = [trial(0, "64", 1.30, 2.0, 0.9), trial(1, "16", 1.20, 1.5, 1.1), trial(2, "128", 1.25, 2.5, 0.95)]
     record = SimpleNamespace(parent={"params": {"study.objectives": "realized_accepted_length,draft_step_ms"}})
-    section = pareto_section(record, configs)
+    section = pareto_section(pareto(record, configs), configs)
     assert "2 of 3 completed trials" in section
     rows = [line for line in section.splitlines() if re.match(r"\| trial \d", line)]
     assert rows == ["| trial 1 | 16 | 1.200 | 1.500 |", "| trial 0 | 64 | 1.300 | 2.000 |"]
     assert "| trial | selector_rank | realized_accepted_length | draft_step_ms |" in section
     # served speed-up against the step time: trial 1 is the fastest drafter and decodes fastest, so it alone stands
     record.parent["params"]["study.objectives"] = "served_speedup,draft_step_ms"
-    section = pareto_section(record, configs)
+    section = pareto_section(pareto(record, configs), configs)
     assert "1 of 3 completed trials" in section and "served_speedup (higher is better)" in section
     assert [line for line in section.splitlines() if re.match(r"\| trial \d", line)] == [
         "| trial 1 | 16 | 1.100 | 1.500 |"
     ]
     record.parent["params"]["study.objectives"] = "realized_accepted_length"
-    assert pareto_section(record, configs) is None
+    assert pareto(record, configs) is None and pareto_section(None, configs) is None
+
+
+def test_the_leaderboard_shows_the_knobs_its_members_tune_and_the_others_that_differ():
+    """A DFlash2-only study shows DFlash2's knobs, never another member's (all blanks); a family study shows each
+    member's; a shared knob appears once it differs between configurations."""
+    from algorithms import ALGORITHMS
+    from reports.collect import OTHER_KNOBS
+    from reports.estimates import Configuration
+    from reports.sections import knob_columns
+
+    def config(number, algorithm, **knobs):
+        row = {k: "" for k in (*TUNED_KNOBS, *OTHER_KNOBS)} | {"algorithm": algorithm, "seed": "0"} | knobs
+        return Configuration(str(number), f"trial {number}", pd.DataFrame([row]), {"0": pd.DataFrame()})
+
+    dflash2 = [config(0, "dflash2", selector_rank="32"), config(1, "dflash2", selector_rank="128")]
+    assert knob_columns(dflash2) == list(ALGORITHMS["dflash2"].tuned_knobs)
+    family = [*dflash2, config(2, "domino", domino_rank="16")]
+    shown = knob_columns(family)
+    assert set(ALGORITHMS["domino"].tuned_knobs) <= set(shown) and set(ALGORITHMS["dflash2"].tuned_knobs) <= set(shown)
+    assert not set(shown) - set(ALGORITHMS["dflash2"].tuned_knobs) - set(ALGORITHMS["domino"].tuned_knobs)
+    shared = OTHER_KNOBS[0]
+    widened = [config(0, "dflash2", **{shared: "4"}), config(1, "dflash2", **{shared: "8"})]
+    assert knob_columns(widened) == [*ALGORITHMS["dflash2"].tuned_knobs, shared]

@@ -24,7 +24,7 @@ from harness.design import TRANSFER_MEANINGS
 from harness.devices import computes_in
 from harness.serving import metrics as served_names
 from reports.build import build_report_with_summary
-from reports.render import GENERATED_PREFIX
+from reports.sections import GENERATED_PREFIX
 from studies.storage import ATTR_INFEASIBLE, ATTR_RUN_ID, ATTR_WORKER, storage_url
 
 from conftest import gone, link_caches, mlflow_server, started_server

@@ -13,7 +13,7 @@ from reports.analysis import analyse, at_budget, recorded_budgets, recorded_desi
 from reports.collect import StudyRecord, collect
 from reports.designed import effects_section, transfer_section
 from reports.effects import ARM
-from reports.render import computed_in
+from reports.sections import computed_in
 
 STUDY = "budget-transfer"
 
@@ -56,7 +56,8 @@ def record(study: StudyRecord, launch_wall: str, note: str) -> Record:
     first = recorded_budgets(study)[0]
     analysis = analyse(study)
     effects, _ = effects_section(analysis, f", at {first} steps")
-    transfer, _, labels = transfer_section(analysis)
+    transfer, _ = transfer_section(analysis)
+    labels = analysis.design.transfer_labels() if analysis.design else {}
     walls = ", ".join(f"{steps} steps: {minutes:.1f} min" for steps, minutes in wall_minutes(study).items())
     about = (
         f"From a launch of `studies/{study.name}.yaml` (`dflash-lab study launch studies/{study.name}.yaml --n-jobs "
