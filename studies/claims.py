@@ -89,7 +89,12 @@ class Claims:
 
         def beat() -> None:
             while not stop.wait(max(1.0, self.grace_s / 3)):
-                self.storage.set_trial_user_attr(trial_id, HEARTBEAT_ATTR, time.time())
+                try:
+                    self.storage.set_trial_user_attr(trial_id, HEARTBEAT_ATTR, time.time())
+                except Exception as error:  # a busy or unreachable database: beat again next period
+                    # A heartbeat thread that died here would let another launcher take a live holder's work
+                    # after the grace period (and find its run directory in use).
+                    log.warning("claim %r: a heartbeat failed (%s); trying again", key, error)
 
         thread = threading.Thread(target=beat, name=f"claim-heartbeat-{key}", daemon=True)
         thread.start()

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -66,3 +67,30 @@ def test_a_dead_holders_claim_is_taken_over_after_the_grace_period(tmp_path):
     with alive.hold("baseline") as mine:
         assert mine
     assert alive.state("baseline") == ClaimState.DONE
+
+
+def test_a_holder_whose_heartbeat_write_fails_keeps_beating_and_keeps_its_claim(tmp_path, monkeypatch):
+    """A busy database refuses a heartbeat now and then (SQLite's `database is locked` after its timeout): the holder
+    beats again at the next period, so another launcher never takes a live holder's work, as a dead heartbeat
+    thread let it do (the baseline's run directory then in use: CI's failure at a1c01be)."""
+    import sqlalchemy
+
+    url = f"sqlite:///{tmp_path / 'optuna.db'}"
+    holder = Claims(make_storage(url), "s", grace_s=3)  # beats every second
+    original, refused = holder.storage.set_trial_user_attr, []
+
+    def busy_once(trial_id, key, value):
+        if key == HEARTBEAT_ATTR and not refused and threading.current_thread().name.startswith("claim-heartbeat"):
+            refused.append(value)
+            raise sqlalchemy.exc.OperationalError("UPDATE", {}, Exception("database is locked"))
+        return original(trial_id, key, value)
+
+    monkeypatch.setattr(holder.storage, "set_trial_user_attr", busy_once)
+    other = Claims(make_storage(url), "s", grace_s=3)
+    with holder.hold("baseline") as mine:
+        assert mine
+        time.sleep(5)  # past the grace period, with the first heartbeat refused
+        assert refused, "the stand-in refused a heartbeat"
+        with other.hold("baseline") as taken:
+            assert not taken and other.state("baseline") == ClaimState.HELD
+    assert other.state("baseline") == ClaimState.DONE
