@@ -33,7 +33,7 @@ from harness.pareto import pareto_front
 from harness.run import Run
 from harness.serving import metrics as served_names
 from harness.tracking import RunStatus
-from harness.train import Workspace, prepare_workspace, restore_draft, train, with_target_defaults
+from harness.train import TrainedRun, Workspace, prepare_workspace, train, with_target_defaults
 from studies.claims import Claims, ClaimState
 from studies.schema import DESIGN_SAMPLER, PUBLISHED_SUFFIX, StudyDefinition, StudyDefinitionError
 from studies.storage import (
@@ -464,10 +464,10 @@ class StudyRunner:
         from harness.serving.engine import find_engine
 
         run = Run(self.workdir, name, tracking.experiment_name(self.definition.name))
-        state = run.load_checkpoint()  # and the run's MLflow id with it
+        trained = TrainedRun.load(run)  # and the run's MLflow id with it
         if served_status(run) is RunStatus.FINISHED:
             return run.metrics(served_names.PREFIX)
-        draft = restore_draft(state, self.workspace.target, self.device)
+        draft = trained.draft(self.workspace.target, self.device)
         print(f"[serve] {name}: {why}", flush=True)
         evaluation, documents = self.definition.evaluation, self.workspace.data.validation
         return serve_run(find_engine(), run, self.workspace.target, draft, documents, evaluation)
@@ -586,7 +586,7 @@ class StudyRunner:
                 continue
             name = self.trial_run(trial.user_attrs.get(ATTR_ORIGIN, trial.number), self.definition.seeds[0])
             run = Run(self.workdir, name, tracking.experiment_name(self.definition.name))
-            draft = restore_draft(run.load_checkpoint(), self.workspace.target, self.device)
+            draft = TrainedRun.load(run).draft(self.workspace.target, self.device)
             print(
                 f"[evaluate] trial {trial.number}: speculative decoding on MT-bench and held-out chat prompts",
                 flush=True,

@@ -137,7 +137,7 @@ class Check:
         from harness.features import target_features
         from harness.run import Run
         from harness.targets import load_target
-        from harness.train import restore_draft
+        from harness.train import TrainedRun
 
         out = self.workdir / "gpu-check-export"
         cli("export", RUN_NAME, "--workdir", str(self.workdir), "--out", str(out), "--force")
@@ -145,7 +145,7 @@ class Check:
 
         torch.backends.cuda.matmul.allow_tf32 = False  # compare in true fp32
         target = load_target(self.target, self.workdir, device=self.device)
-        draft = load_exported_weights(restore_draft(Run(self.workdir, RUN_NAME).load_checkpoint(), target), out)
+        draft = load_exported_weights(TrainedRun.load(Run(self.workdir, RUN_NAME)).draft(target), out)
         draft = draft.to(self.device).eval()
         architecture = json.loads((out / "config.json").read_text())["architectures"][0]
         theirs = getattr(zlab, architecture).from_pretrained(out, dtype=torch.float32).to(self.device).eval()
@@ -179,19 +179,18 @@ class Check:
         from harness.evaluate import prompt_ids
         from harness.mtbench import mtbench_questions
         from harness.run import Run
-        from harness.train import TrainingRecipe, checkpoint_config, prepare_workspace, restore_draft
+        from harness.train import TrainedRun, TrainingRecipe, prepare_workspace
 
-        state = Run(self.workdir, RUN_NAME).load_checkpoint()
-        config = checkpoint_config(state)
-        workspace = prepare_workspace(config, self.workdir, self.device)
-        recipe = TrainingRecipe(config, workspace, run=None, device=self.device)
+        trained = TrainedRun.load(Run(self.workdir, RUN_NAME))
+        workspace = prepare_workspace(trained.config, self.workdir, self.device)
+        recipe = TrainingRecipe(trained.config, workspace, run=None, device=self.device)
         for step in range(2):  # warm-up: allocator, cuBLAS handles, autotuning
             recipe.step(step)
         torch.cuda.synchronize(self.device)
         with counted_syncs() as training:
             for step in range(2, 2 + self.sizes.sync_steps):
                 recipe.step(step)
-        target, draft = workspace.target, restore_draft(state, workspace.target, self.device)
+        target, draft = workspace.target, trained.draft(workspace.target, self.device)
         prompt = prompt_ids(target.tokenizer, mtbench_questions(1)[0])
         stop = {target.tokenizer.eos_token_id}
         with torch.no_grad(), counted_syncs() as decoding:
@@ -231,7 +230,7 @@ class Check:
         from harness.run import Run
         from harness.targets import load_target
         from harness.tracking import EVAL_PREFIX, VAL_PREFIX, client, metric_key
-        from harness.train import checkpoint_config
+        from harness.train import TrainedRun
 
         export = self.workdir / f"{run_name}-export"
         cli("export", run_name, "--workdir", str(self.workdir), "--out", str(export), "--force")
@@ -240,7 +239,7 @@ class Check:
             "--max-new-tokens", str(self.sizes.new_tokens), "--temperatures", "0",
         )  # fmt: skip
         run = Run(self.workdir, run_name)
-        shared = checkpoint_config(run.load_checkpoint()).algorithm.shared
+        shared = TrainedRun.load(run).config.algorithm.shared
         slots = shared.block_size - shared.first_draft_slot
         speculative = {"method": "dflash", "model": str(export), "num_speculative_tokens": slots}
         target_dir = load_target(self.target, self.workdir).source
