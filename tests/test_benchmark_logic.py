@@ -136,3 +136,15 @@ def test_the_speed_up_curve_tables_every_point_names_the_best_and_plots(tmp_path
     assert found.values["c1000-b4"]["break_even"] == 2.05 and found.values["c1000-b4"]["realized"] == 2.05
     plot(points, tmp_path / "curve.png")
     assert (tmp_path / "curve.png").stat().st_size > 0
+
+
+def test_the_cycle_cost_reads_the_head_and_the_weights_from_the_gguf():
+    """The estimate's inputs from the shipped Q4_1 target: its tensors' bytes, the vocabulary head's share and the
+    parameter count (SmolLM2-135M: about 135M parameters, a 49,152 x 576 head)."""
+    from benchmarks.serving.cycle_cost import gguf_bytes
+    from harness.targets import embedded_gguf_path
+
+    weights, head, parameters = gguf_bytes(embedded_gguf_path("smollm2-135m"))
+    assert 130e6 < parameters < 140e6
+    assert 0 < head < weights < 0.8 * parameters  # under 6.4 bits per weight: Q4_1 blocks, a Q8_0 head
+    assert 49152 * 576 <= head <= 49152 * 576 * 1.1  # the tied head in Q8_0: 8.5 bits per weight

@@ -119,6 +119,13 @@ class Page:
     def folder(self) -> Path:
         return self.path.parent / "records" / self.path.stem
 
+    def titled(self, title: str) -> Page:
+        """The page, created with this title if it has no records yet."""
+        if not (self.folder / PAGE_FILE).is_file():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            (self.folder / PAGE_FILE).write_text(json.dumps({"title": title}, indent=1, ensure_ascii=False) + "\n")
+        return self
+
     def meta(self) -> dict:
         return json.loads((self.folder / PAGE_FILE).read_text())
 

@@ -69,6 +69,7 @@ class Completion:
     tokens_per_s: float = float("nan")
     draft_n: int = 0
     draft_n_accepted: int = 0
+    prompt_ms: float = float("nan")  # the prompt's evaluation: one batch of its tokens through the model
 
 
 def start_time(pid: int) -> str | None:
@@ -318,6 +319,7 @@ class LlamaServer:
             accepted=[int(m["accepted"]) for m in cycles],
             drafted=[int(m["drafted"]) for m in cycles],
             tokens_per_s=float(timings.get("predicted_per_second", float("nan"))),
+            prompt_ms=float(timings.get("prompt_ms", float("nan"))),
             draft_n=int(timings.get("draft_n", 0)),
             draft_n_accepted=int(timings.get("draft_n_accepted", 0)),
         )
