@@ -655,3 +655,65 @@ def test_each_request_is_timed_alone_before_and_after_the_draft_and_the_speed_up
     # clustered se is sqrt(n / (n - 1) * sum of squares) = |1 - R| / 276 * sqrt(3)
     assert metrics["speedup_se"] == pytest.approx(abs(1 - 366 / 276) / 276 * 3**0.5, rel=1e-9)
     assert metrics["speedup_low"] < metrics["speedup"] < metrics["speedup_high"]
+
+
+# ---- a reduced draft vocabulary (harness/serving/gguf.py, draft.py) -----------------------------------------
+
+
+def tiny_gguf(path: Path, tensors: dict, fields: dict) -> Path:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(path, "dflash")
+    writer.add_uint32("dflash.block_size", fields["block_size"])
+    writer.add_array("tokenizer.ggml.tokens", fields["tokens"])
+    writer.add_string("general.name", "tiny")
+    for name, array in tensors.items():
+        writer.add_tensor(name, np.asarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_reduced_vocabulary_draft_keeps_the_draft_and_adds_the_heads_rows_and_the_d2t_map(tmp_path):
+    import numpy as np
+    from gguf import GGUFReader
+
+    from harness.serving.gguf import gguf_problem, with_reduced_vocabulary
+
+    embeddings = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)  # 6 tokens, n_embd 4 (numpy order)
+    layer = np.full((3, 4), 0.5, dtype=np.float32)
+    fields = {"block_size": 4, "tokens": ["a", "b", "c", "d", "e", "f"]}
+    draft = tiny_gguf(tmp_path / "draft.gguf", {"blk.0.attn_q.weight": layer}, fields)
+    target = tiny_gguf(tmp_path / "target.gguf", {"token_embd.weight": embeddings}, fields)
+    out = with_reduced_vocabulary(draft, target, [5, 0, 3], tmp_path / "draft-vocab3.gguf")
+    assert gguf_problem(out) is None
+    reduced = GGUFReader(out)
+    tensors = {t.name: t for t in reduced.tensors}
+    assert list(tensors["d2t"].data) == [5, 0, 3] and tensors["d2t"].tensor_type.name == "I64"
+    assert np.array_equal(np.asarray(tensors["output.weight"].data), embeddings[[5, 0, 3]])
+    assert [int(n) for n in tensors["output.weight"].shape] == [4, 3]  # ggml order: n_embd, draft vocabulary
+    assert np.array_equal(np.asarray(tensors["blk.0.attn_q.weight"].data), layer)
+    assert reduced.fields["dflash.block_size"].contents() == 4
+    assert reduced.fields["tokenizer.ggml.tokens"].contents() == fields["tokens"]
+    assert reduced.fields["general.architecture"].contents() == "dflash"
+
+
+def test_the_reduced_vocabulary_is_the_replies_most_frequent_tokens_with_the_end_of_turn_kept():
+    from types import SimpleNamespace
+
+    from harness.serving.draft import frequent_tokens
+    from harness.serving.engine import EngineError
+
+    documents = [
+        SimpleNamespace(input_ids=[1, 7, 7, 8, 9, 9, 9], loss_mask=[0, 1, 1, 1, 1, 1, 1]),
+        SimpleNamespace(input_ids=[7, 4, 4, 4, 4], loss_mask=[1, 0, 0, 0, 1]),  # 4 counts once: where supervised
+    ]
+    # supervised counts: 9 x3, 7 x3, 8 x1, 4 x1; ties by id
+    assert frequent_tokens(documents, 2) == [7, 9]
+    assert frequent_tokens(documents, 3, always=(2,)) == [2, 7, 9]
+    assert frequent_tokens(documents, 4) == [7, 9, 4, 8]
+    with pytest.raises(EngineError, match=r"invalid vocabulary size=9: the run's replies hold 4 distinct tokens"):
+        frequent_tokens(documents, 9)

@@ -49,14 +49,15 @@ HEAD_TENSORS = ("output.weight", "token_embd.weight")  # the head, or the tied e
 
 
 def gguf_bytes(path: Path) -> tuple[int, int, int]:
-    """(all tensor bytes, the vocabulary head's bytes, parameters) of a GGUF."""
+    """(all tensor bytes, the vocabulary head's bytes, parameters) of a GGUF; a draft that shares the target's head
+    has none of its own (0)."""
     from gguf import GGUFReader
 
     tensors = {t.name: t for t in GGUFReader(path).tensors}
-    head = next(tensors[name] for name in HEAD_TENSORS if name in tensors)
+    head = next((int(tensors[name].n_bytes) for name in HEAD_TENSORS if name in tensors), 0)
     return (
         sum(int(t.n_bytes) for t in tensors.values()),
-        int(head.n_bytes),
+        head,
         sum(int(t.n_elements) for t in tensors.values()),
     )
 

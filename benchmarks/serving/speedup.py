@@ -26,7 +26,7 @@ from harness.run import SERVED_DIR, Run
 from harness.serving import break_even
 from harness.serving import metrics as served_names
 from harness.serving.compare import accepted_length
-from harness.serving.draft import ServedDraft, served_draft
+from harness.serving.draft import ServedDraft, reduced_draft, served_draft
 from harness.serving.engine import find_engine
 from harness.serving.gguf import target_gguf
 from harness.serving.server import Completion, Session, complete_all
@@ -110,6 +110,13 @@ def measure(args: argparse.Namespace) -> Record:
     workdir = runs[0].run.workdir
     target = runs[0].load_target()
     drafts = [served_draft(engine, trained.run, trained.draft(target), target) for trained in runs]
+    if args.vocabulary:  # each draft again over the tokens its training replies use most (FR-Spec)
+        replies = prepare_documents(target, first.data, workdir).train
+        drafts += [
+            reduced_draft(engine, trained.run, draft, target, replies, size)
+            for trained, draft in zip(runs, list(drafts), strict=True)
+            for size in args.vocabulary
+        ]
     prompts = prompts_by_category(target.tokenizer, args.per_category)
     if args.chat and args.chat_data is None:  # the first run's held-out conversations, up to their first reply
         prompts[CHAT] = chat_prompt_ids(prepare_documents(target, first.data, workdir).validation, args.chat)
@@ -177,9 +184,10 @@ def break_evens(session: Session, model: Path, drafts: list[ServedDraft], prompt
         measured.add(draft.shape)
         lengths = break_even.synthetic_lengths(draft.block, 5)
         found = break_even.measure(session, model, draft, flat, args.tokens, lengths)
+        head = f", drafting over {draft.vocabulary} tokens" if draft.vocabulary else ""
         lines.append(
-            f"Break-even of a block-{draft.block + 1} draft (`{draft.spec_type}`) on this target: accepted length "
-            f"{found.text()} (cycle cost {found.cycle_cost:.2f} plain tokens)."
+            f"Break-even of a block-{draft.block + 1} draft (`{draft.spec_type}`{head}) on this target: accepted "
+            f"length {found.text()} (cycle cost {found.cycle_cost:.2f} plain tokens)."
         )
     return lines
 
@@ -231,6 +239,14 @@ def main() -> None:
         choices=list(TARGET_FILES),
         default=list(TARGET_FILES),
         help="the target files served: f32 (the agreement check's) and the shipped q4_1 (default: both)",
+    )
+    parser.add_argument(
+        "--vocabulary",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also serve each draft over only this many of its training replies' most frequent tokens (a d2t map "
+        "and a reduced head; e.g. 8192 16384)",
     )
     page_argument(parser, GROUP, PAGE)
     args = parser.parse_args()

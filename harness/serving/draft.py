@@ -3,16 +3,19 @@ per checkpoint, and carried as one value (`ServedDraft`) with the shape the engi
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from algorithms.dflash import DFlashDraft
 from algorithms.registry import Algorithm
+from harness.data import Document
 from harness.export import NoPeerFormat, export_checkpoint, peer_format
 from harness.run import DRAFT_GGUF_FILE, SERVED_DIR, Run
 from harness.serving.engine import ENGINE, Engine, EngineError
-from harness.serving.gguf import to_gguf
+from harness.serving.gguf import gguf_problem, target_gguf, to_gguf, with_reduced_vocabulary
 from harness.targets import Target
 
 
@@ -25,15 +28,17 @@ class ServedDraft:
     gguf: Path
     block: int  # drafted tokens per cycle: the block less its first slot when that holds the verified token
     spec_type: str
+    vocabulary: int | None = None  # drafts over this many tokens only (a d2t map); None: the whole vocabulary
 
     @property
     def label(self) -> str:
         return f"`{self.name}` ({self.algorithm}, block {self.block + 1})"
 
     @property
-    def shape(self) -> tuple[int, str]:
-        """What the break-even depends on: synthetic acceptance times the shape, not the weights."""
-        return self.block, self.spec_type
+    def shape(self) -> tuple[int, str, int | None]:
+        """What the break-even depends on: synthetic acceptance times the shape (and the head's size), not the
+        weights."""
+        return self.block, self.spec_type, self.vocabulary
 
 
 def served_draft(engine: Engine, run: Run, draft: DFlashDraft, target: Target) -> ServedDraft:
@@ -75,3 +80,29 @@ def draft_gguf(engine: Engine, run: Run, draft: DFlashDraft, target: Target) -> 
     if not (export / "config.json").is_file():
         export_checkpoint(draft, export, target.source)
     return to_gguf(engine, export, run.path(SERVED_DIR) / DRAFT_GGUF_FILE, f"run {run.name}", Path(target.source))
+
+
+def frequent_tokens(documents: list[Document], size: int, always: tuple[int, ...] = ()) -> list[int]:
+    """The `size` token ids the target writes most often in `documents`' supervised positions (its replies), most
+    frequent first, with `always` (the end-of-turn tokens) among them; ties by id."""
+    counts = Counter(t for d in documents for t, kept in zip(d.input_ids, d.loss_mask, strict=True) if kept)
+    chosen = list(dict.fromkeys([*always, *sorted(counts, key=lambda t: (-counts[t], t))]))[:size]
+    if len(chosen) < size:
+        raise EngineError(
+            f"invalid vocabulary size={size}: the run's replies hold {len(chosen)} distinct tokens; allowed at most "
+            f"{len(chosen)}"
+        )
+    return chosen
+
+
+def reduced_draft(
+    engine: Engine, run: Run, served: ServedDraft, target: Target, documents: list[Document], size: int
+) -> ServedDraft:
+    """The served draft drafting over the `size` tokens its training replies use most (the head's other rows
+    dropped, a `d2t` map added), written once per size beside the run's draft GGUF."""
+    special = tuple(t for t in (target.tokenizer.eos_token_id, target.tokenizer.pad_token_id) if t is not None)
+    out = served.gguf.with_name(f"{served.gguf.stem}-vocab{size}.gguf")
+    if not out.is_file() or gguf_problem(out) is not None:
+        ids = frequent_tokens(documents, size, special)
+        with_reduced_vocabulary(served.gguf, target_gguf(engine, run.workdir, target), ids, out)
+    return dataclasses.replace(served, name=f"{served.name} (vocabulary {size})", gguf=out, vocabulary=size)

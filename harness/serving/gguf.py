@@ -117,3 +117,50 @@ def target_gguf(engine: Engine, workdir: Path, target: Target) -> Path:
     """The target as an f32 GGUF, converted once per work directory (keyed by its weights)."""
     out = workdir / SERVED_DIR / f"target-{target.weights_hash}-f32.gguf"
     return to_gguf(engine, Path(target.source), out, "the target")
+
+
+D2T_TENSOR, HEAD_TENSOR = "d2t", "output.weight"
+HEAD_SOURCES = (HEAD_TENSOR, "token_embd.weight")  # a target with tied embeddings keeps its head here
+VIRTUAL_FIELDS = ("GGUF.", "general.architecture")  # written by GGUFWriter itself
+
+
+def with_reduced_vocabulary(draft: Path, target: Path, token_ids: list[int], out: Path) -> Path:
+    """A copy of the draft GGUF that drafts over `token_ids` only (FR-Spec's frequency-ranked head): its own
+    `output.weight`, the target head's rows of those tokens, and the `d2t` map from each row to its target id,
+    which llama.cpp reads to scatter the draft's logits back to the whole vocabulary. Everything else is the
+    draft's, unchanged. The stock converter writes neither tensor."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    source = GGUFReader(draft)
+    head_file = GGUFReader(target)
+    heads = {t.name: t for t in head_file.tensors if t.name in HEAD_SOURCES}
+    head = next((heads[name] for name in HEAD_SOURCES if name in heads), None)
+    if head is None or head.tensor_type.name != "F32":
+        raise EngineError(f"invalid target GGUF {target}: no f32 vocabulary head ({' or '.join(HEAD_SOURCES)})")
+    rows = np.asarray(head.data)[np.asarray(token_ids)]  # numpy order: one row of n_embd per token
+    architecture = source.fields["general.architecture"].contents()
+
+    def write(tmp: Path) -> None:
+        writer = GGUFWriter(tmp, architecture)
+        for field in source.fields.values():
+            if field.name.startswith(VIRTUAL_FIELDS):
+                continue
+            kind = field.types[0]
+            sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+        for tensor in source.tensors:
+            if tensor.name in (D2T_TENSOR, HEAD_TENSOR):
+                continue
+            shape = [int(n) for n in reversed(tensor.shape)]
+            writer.add_tensor(tensor.name, tensor.data, raw_shape=shape, raw_dtype=tensor.tensor_type)
+        writer.add_tensor(HEAD_TENSOR, np.ascontiguousarray(rows, dtype=np.float32))
+        writer.add_tensor(D2T_TENSOR, np.asarray(token_ids, dtype=np.int64))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    atomic_write(out, write)
+    atomic_write(out.with_name(out.name + STAMP_SUFFIX), lambda tmp: tmp.write_text(json.dumps(gguf_stamp(out))))
+    return out
