@@ -148,3 +148,14 @@ def test_the_cycle_cost_reads_the_head_and_the_weights_from_the_gguf():
     assert 130e6 < parameters < 140e6
     assert 0 < head < weights < 0.8 * parameters  # under 6.4 bits per weight: Q4_1 blocks, a Q8_0 head
     assert 49152 * 576 <= head <= 49152 * 576 * 1.1  # the tied head in Q8_0: 8.5 bits per weight
+
+
+def test_a_served_drafts_log_is_named_by_its_run_and_head_size_without_spaces():
+    from pathlib import Path
+
+    from benchmarks.serving.speedup import log_name
+    from harness.serving.draft import ServedDraft
+
+    full = ServedDraft("run-a", "dflash2", Path("work/runs/run-a/served/draft-f32.gguf"), 3, "draft-dflash")
+    reduced = ServedDraft("run-a (vocabulary 4096)", "dflash2", full.gguf.with_name("x.gguf"), 3, "draft-dflash", 4096)
+    assert log_name(full) == "draft-run-a" and log_name(reduced) == "draft-run-a-vocab4096"

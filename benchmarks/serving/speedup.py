@@ -27,7 +27,7 @@ from harness.serving import break_even
 from harness.serving import metrics as served_names
 from harness.serving.compare import accepted_length
 from harness.serving.draft import ServedDraft, reduced_draft, served_draft
-from harness.serving.engine import find_engine
+from harness.serving.engine import EngineError, find_engine
 from harness.serving.gguf import target_gguf
 from harness.serving.server import Completion, Session, complete_all
 from harness.serving.timing import bracketed, mean_speed
@@ -77,6 +77,11 @@ def row(name: str, served: dict[str, list[Completion]], alone: dict[str, list[fl
     return cells, values
 
 
+def log_name(draft: ServedDraft) -> str:
+    """`draft-RUN` or `draft-RUN-vocab4096`: a server log's name, without the label's spaces."""
+    return f"draft-{draft.gguf.parent.parent.name}" + (f"-vocab{draft.vocabulary}" if draft.vocabulary else "")
+
+
 @dataclass
 class Launches:
     """One target model's llama-server launches in this benchmark: each serves the same prompts, alone, with a
@@ -112,11 +117,14 @@ def measure(args: argparse.Namespace) -> Record:
     drafts = [served_draft(engine, trained.run, trained.draft(target), target) for trained in runs]
     if args.vocabulary:  # each draft again over the tokens its training replies use most (FR-Spec)
         replies = prepare_documents(target, first.data, workdir).train
-        drafts += [
-            reduced_draft(engine, trained.run, draft, target, replies, size)
-            for trained, draft in zip(runs, list(drafts), strict=True)
-            for size in args.vocabulary
-        ]
+        try:
+            drafts += [
+                reduced_draft(engine, trained.run, draft, target, replies, size)
+                for trained, draft in zip(runs, list(drafts), strict=True)
+                for size in args.vocabulary
+            ]
+        except EngineError as error:
+            raise SystemExit(f"error: {error}") from None
     prompts = prompts_by_category(target.tokenizer, args.per_category)
     if args.chat and args.chat_data is None:  # the first run's held-out conversations, up to their first reply
         prompts[CHAT] = chat_prompt_ids(prepare_documents(target, first.data, workdir).validation, args.chat)
@@ -138,7 +146,7 @@ def measure(args: argparse.Namespace) -> Record:
         launches = Launches(session, model, key, prompts, args)
 
         def drafted(launches: Launches = launches) -> dict[str, dict[str, list[Completion]]]:
-            served = {d.label: launches.serve(f"draft-{d.name}", d) for d in drafts}
+            served = {d.label: launches.serve(log_name(d), d) for d in drafts}
             served.update({f"`{ngram}`": launches.serve(ngram, spec_type=ngram) for ngram in NGRAM_TYPES})
             return served
 
