@@ -146,9 +146,14 @@ def measure(args: argparse.Namespace) -> Record:
         launches = Launches(session, model, key, prompts, args)
 
         def drafted(launches: Launches = launches) -> dict[str, dict[str, list[Completion]]]:
-            served = {d.label: launches.serve(log_name(d), d) for d in drafts}
-            served.update({f"`{ngram}`": launches.serve(ngram, spec_type=ngram) for ngram in NGRAM_TYPES})
-            return served
+            order = [*drafts, *NGRAM_TYPES]
+            served = {}
+            for drafter in reversed(order) if args.reverse else order:
+                if isinstance(drafter, ServedDraft):
+                    served[drafter.label] = launches.serve(log_name(drafter), drafter)
+                else:
+                    served[f"`{drafter}`"] = launches.serve(drafter, spec_type=drafter)
+            return {name: served[name] for name in [*(d.label for d in drafts), *(f"`{n}`" for n in NGRAM_TYPES)]}
 
         timed = bracketed(lambda when, launches=launches: launches.serve(f"alone-{when}"), drafted)
         alone = timed.alone_speeds()
@@ -171,11 +176,12 @@ def measure(args: argparse.Namespace) -> Record:
         ]
     count = sum(len(g) for g in prompts.values())
     trained = "; ".join(f"{t.run.name}: {t.config.train.max_steps} steps, seed {t.config.train.seed}" for t in runs)
+    order = "last to first" if args.reverse else "in the order listed"
     about = (
         f"{count} prompts: MT-bench first turns ({args.per_category} per category, the first by question id) and "
         f"{args.chat} of {held_out(args)}, {reply_length(args)}, T = 0. Trained on {first.data.num_conversations} "
         f"conversations ({trained}). Each speed-up is paired by prompt with the target alone, timed before and after "
-        "every drafter (the mean of the two)."
+        f"every drafter (the mean of the two); drafters served {order}."
     )
     title = ", ".join(f"`{t.run.name}`" for t in runs)
     return Record(title, [about, *blocks], values, Provenance.now(engine=engine.commit))
@@ -255,6 +261,12 @@ def main() -> None:
         default=[],
         help="also serve each draft over only this many of its training replies' most frequent tokens (a d2t map "
         "and a reduced head; e.g. 8192 16384)",
+    )
+    parser.add_argument(
+        "--reverse",
+        action="store_true",
+        help="serve the drafters in reverse order (a drift within a launch favours what runs later; two launches in "
+        "opposite orders separate it from a drafter's effect)",
     )
     page_argument(parser, GROUP, PAGE)
     args = parser.parse_args()
