@@ -230,11 +230,10 @@ def pareto(record: StudyRecord, configs: list[Configuration]) -> ParetoFront | N
         for c in configs
         if c.first["role"] == tracking.ROLE_TRIAL and all(c.runs[o].notna().any() for o in objectives)
     ]
-    values = dict(zip([id(c) for c, _ in trials], [v for _, v in trials], strict=True))
-    front = pareto_front(trials, directions)
+    front = pareto_front([(trial, trial[1]) for trial in trials], directions)  # keys: (config, values)
     sign = 1.0 if directions[1] == "maximize" else -1.0
-    front.sort(key=lambda c: -sign * values[id(c)][1])  # best on the second objective first
-    return ParetoFront(objectives, directions, [c for c, _ in trials], [(c, values[id(c)]) for c in front])
+    front.sort(key=lambda trial: -sign * trial[1][1])  # best on the second objective first
+    return ParetoFront(objectives, directions, [c for c, _ in trials], front)
 
 
 def served_standing(record: StudyRecord) -> ServedStanding:

@@ -539,12 +539,10 @@ def test_a_draft_over_its_replies_most_frequent_tokens_loads_in_llama_cpp_and_dr
     """The reduced-vocabulary GGUF (its own head over 256 tokens and a d2t map) loads in the pinned engine and
     drafts; the same file without its d2t map does not load (a 256-row head fits only through the map), so the
     engine read the map."""
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-
     from harness.run import SERVED_DIR, Run
     from harness.serving.draft import reduced_draft, served_draft
     from harness.serving.engine import EngineError, find_engine
-    from harness.serving.gguf import target_gguf
+    from harness.serving.gguf import copy_gguf, target_gguf
     from harness.serving.server import Session
 
     engine, run = find_engine(), Run.at(served_runs["dflash2"].run_dir)
@@ -559,21 +557,8 @@ def test_a_draft_over_its_replies_most_frequent_tokens_loads_in_llama_cpp_and_dr
         done = server.complete(prompt, 24, ignore_eos=True)
     assert len(done.tokens) == 24 and done.accepted and all(0 <= a <= reduced.block for a in done.accepted)
 
-    source, unmapped = GGUFReader(reduced.gguf), reduced.gguf.with_name("draft-no-d2t.gguf")
-    writer = GGUFWriter(unmapped, source.fields["general.architecture"].contents())
-    for field in source.fields.values():
-        if not field.name.startswith(("GGUF.", "general.architecture")):
-            kind = field.types[0]
-            writer.add_key_value(
-                field.name, field.contents(), kind, field.types[-1] if kind == GGUFValueType.ARRAY else None
-            )
-    for tensor in source.tensors:
-        if tensor.name != "d2t":
-            writer.add_tensor(tensor.name, tensor.data, [int(n) for n in reversed(tensor.shape)], tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    unmapped = reduced.gguf.with_name("draft-no-d2t.gguf")
+    copy_gguf(reduced.gguf, unmapped, drop=("d2t",))
     control = dataclasses.replace(reduced, gguf=unmapped)
     with pytest.raises(EngineError), session.server(model, "reduced-vocabulary-no-map", control):
         pass

@@ -175,8 +175,11 @@ def cpu_flags() -> list[str]:
     return []
 
 
-def native_bf16() -> bool:
-    return any(flag in cpu_flags() for flag in ("avx512_bf16", "amx_bf16"))
+def machine_kind() -> str:
+    """`AMD EPYC, native bf16`: the CPU and whether `auto` computes in bf16 on it (harness.devices decides)."""
+    from harness.devices import cpu_has_native_bf16
+
+    return f"{cpu_model()}, {'native bf16' if cpu_has_native_bf16() else 'no native bf16'}"
 
 
 def project_commit() -> str | None:

@@ -15,7 +15,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from benchmarks.common.records import Page, Provenance, Record, Table, cpu_model, native_bf16, page_argument
+from benchmarks.common.records import Page, Provenance, Record, Table, machine_kind, page_argument
 
 GROUP, PAGE = "project", "CI_TIME"
 WALL = re.compile(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (?P<wall>[\d:.]+)")
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     found = measured(args.log.read_text(errors="replace"))
     head = subprocess.run(["git", "-C", str(args.clone), "rev-parse", "--short=9", "HEAD"], capture_output=True)
     found["commit"] = head.stdout.decode().strip() or None
-    machine = f"{cpu_model()}, {'native bf16' if native_bf16() else 'no native bf16'}"
+    machine = machine_kind()
     peak = f"{found['peak_rss_gb']:.1f} GB" if found["peak_rss_gb"] else "not measured"
     row = [found["wall"], f"{found['pytest_s']:.0f} s", found["result"], peak, args.note]
     columns = ["wall", "pytest", "result", "peak RSS", "note"]

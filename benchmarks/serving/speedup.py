@@ -146,14 +146,10 @@ def measure(args: argparse.Namespace) -> Record:
         launches = Launches(session, model, key, prompts, args)
 
         def drafted(launches: Launches = launches) -> dict[str, dict[str, list[Completion]]]:
-            order = [*drafts, *NGRAM_TYPES]
-            served = {}
-            for drafter in reversed(order) if args.reverse else order:
-                if isinstance(drafter, ServedDraft):
-                    served[drafter.label] = launches.serve(log_name(drafter), drafter)
-                else:
-                    served[f"`{drafter}`"] = launches.serve(drafter, spec_type=drafter)
-            return {name: served[name] for name in [*(d.label for d in drafts), *(f"`{n}`" for n in NGRAM_TYPES)]}
+            jobs = [(d.label, lambda d=d: launches.serve(log_name(d), d)) for d in drafts]
+            jobs += [(f"`{n}`", lambda n=n: launches.serve(n, spec_type=n)) for n in NGRAM_TYPES]
+            served = {label: serve() for label, serve in (reversed(jobs) if args.reverse else jobs)}
+            return {label: served[label] for label, _ in jobs}  # the table's order, whichever ran first
 
         timed = bracketed(lambda when, launches=launches: launches.serve(f"alone-{when}"), drafted)
         alone = timed.alone_speeds()

@@ -16,7 +16,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from benchmarks.common.records import Page, Provenance, Record, Table, cpu_model, native_bf16, page_argument
+from benchmarks.common.records import Page, Provenance, Record, Table, machine_kind, page_argument
 from benchmarks.project.ci_time import WALL
 
 GROUP, PAGE = "studies", "MAIN_JOB"
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     head = subprocess.run(["git", "-C", str(args.clone), "rev-parse", "--short=9", "HEAD"], capture_output=True)
     commit = head.stdout.decode().strip() or None
     clock = wall["wall"].split(".")[0] if wall else "not measured"
-    machine = f"{cpu_model()}, {'native bf16' if native_bf16() else 'no native bf16'}"
+    machine = machine_kind()
     row = [clock, computed.group(1) if computed else "not recorded", args.note]
     blocks = [
         Table(["wall, setup included", "computed in", "note"], [row]),

@@ -130,37 +130,47 @@ def with_reduced_vocabulary(draft: Path, target: Path, token_ids: list[int], out
     which llama.cpp reads to scatter the draft's logits back to the whole vocabulary. Everything else is the
     draft's, unchanged. The stock converter writes neither tensor."""
     import numpy as np
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from gguf import GGUFReader
 
-    source = GGUFReader(draft)
-    head_file = GGUFReader(target)
-    heads = {t.name: t for t in head_file.tensors if t.name in HEAD_SOURCES}
+    heads = {t.name: t for t in GGUFReader(target).tensors if t.name in HEAD_SOURCES}
     head = next((heads[name] for name in HEAD_SOURCES if name in heads), None)
     if head is None or head.tensor_type.name != "F32":
         raise EngineError(f"invalid target GGUF {target}: no f32 vocabulary head ({' or '.join(HEAD_SOURCES)})")
     rows = np.asarray(head.data)[np.asarray(token_ids)]  # numpy order: one row of n_embd per token
-    architecture = source.fields["general.architecture"].contents()
+    added = {
+        HEAD_TENSOR: np.ascontiguousarray(rows, dtype=np.float32),
+        D2T_TENSOR: np.asarray(token_ids, dtype=np.int64),
+    }
 
     def write(tmp: Path) -> None:
-        writer = GGUFWriter(tmp, architecture)
-        for field in source.fields.values():
-            if field.name.startswith(VIRTUAL_FIELDS):
-                continue
-            kind = field.types[0]
-            sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
-        for tensor in source.tensors:
-            if tensor.name in (D2T_TENSOR, HEAD_TENSOR):
-                continue
-            shape = [int(n) for n in reversed(tensor.shape)]
-            writer.add_tensor(tensor.name, tensor.data, raw_shape=shape, raw_dtype=tensor.tensor_type)
-        writer.add_tensor(HEAD_TENSOR, np.ascontiguousarray(rows, dtype=np.float32))
-        writer.add_tensor(D2T_TENSOR, np.asarray(token_ids, dtype=np.int64))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        copy_gguf(draft, tmp, drop=tuple(added), add=added)
 
     atomic_write(out, write)
     atomic_write(out.with_name(out.name + STAMP_SUFFIX), lambda tmp: tmp.write_text(json.dumps(gguf_stamp(out))))
     return out
+
+
+def copy_gguf(source: Path, out: Path, drop: tuple[str, ...] = (), add: dict | None = None) -> None:
+    """`source` rewritten to `out`: every metadata field and tensor as it is, less the tensors named in `drop`, plus
+    the numpy arrays in `add` (by tensor name)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(source)
+    writer = GGUFWriter(out, reader.fields["general.architecture"].contents())
+    for field in reader.fields.values():
+        if field.name.startswith(VIRTUAL_FIELDS):
+            continue
+        kind = field.types[0]
+        writer.add_key_value(
+            field.name, field.contents(), kind, field.types[-1] if kind == GGUFValueType.ARRAY else None
+        )
+    for tensor in reader.tensors:
+        if tensor.name not in drop:
+            shape = [int(n) for n in reversed(tensor.shape)]  # numpy order, as the writer takes it
+            writer.add_tensor(tensor.name, tensor.data, raw_shape=shape, raw_dtype=tensor.tensor_type)
+    for name, array in (add or {}).items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
