@@ -144,6 +144,8 @@ class EvalConfig:
     max_new_tokens: int = 128
     temperatures: tuple[float, ...] = (0.0, 1.0)
     seed: int = 0
+    # A study's served objective serves each run in this many rounds of fresh launches (harness/serving/speed.py).
+    served_rounds: int = 2
     # A member with a confidence head (DSpark) sends the target only the draft prefix whose predicted
     # cumulative acceptance stays at or above this; 0 verifies every member's whole block, like for like.
     confidence_threshold: float = 0.0

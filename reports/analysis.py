@@ -85,21 +85,63 @@ def run_value(documents: pd.DataFrame, metric: str = REALIZED_ACCEPTED_LENGTH) -
     return ratio_estimate(*pairs(documents, metric))
 
 
-def design_units(record: StudyRecord, recorded: RecordedDesign) -> list[Unit]:
-    """Every finished design run and reference-baseline run with its per-document pairs: one unit each."""
-    units = []
+def design_rows(record: StudyRecord, recorded: RecordedDesign) -> list[tuple[pd.Series, dict | None]]:
+    """Every finished design run and reference-baseline run with its per-document pairs, with its design point
+    (None for a reference run)."""
+    rows = []
     for _, row in record.runs.iterrows():
         if row["status"] != "finished" or row["run_id"] not in record.documents:
             continue
         if row["role"] == tracking.ROLE_TRIAL and row["design_point"]:
-            point = json.loads(row["design_point"])
+            rows.append((row, json.loads(row["design_point"])))
         elif row["role"] == tracking.ROLE_BASELINE and recorded.reference and row["baseline"] == recorded.reference:
-            point = None
-        else:
-            continue
+            rows.append((row, None))
+    return rows
+
+
+def design_units(record: StudyRecord, recorded: RecordedDesign) -> list[Unit]:
+    """One unit per design and reference run: its realized accepted length over the validation documents."""
+    units = []
+    for row, point in design_rows(record, recorded):
         estimate = run_value(record.documents[row["run_id"]])
         units.append(Unit(point, estimate.value, estimate.se, row["run_name"]))
     return units
+
+
+@dataclass(frozen=True)
+class LaunchNoise:
+    """The served speed-up's launch-to-launch spread within a run, pooled over the runs served in rounds."""
+
+    sd: float  # nan where no run was served in two rounds or more
+    dof: int
+    runs: int
+
+
+def launch_noise(rows: pd.DataFrame) -> LaunchNoise:
+    """sqrt(sum (R_i - 1) v_i / sum (R_i - 1)) over runs with R_i >= 2 rounds and round variance v_i: every run is
+    served alike, so one pooled launch variance measures each run's better than its own two rounds do."""
+    rounds = rows.get(served_names.ROUNDS_COLUMN, pd.Series(dtype=float))
+    variance = rows.get(served_names.LAUNCH_VARIANCE_COLUMN, pd.Series(dtype=float))
+    usable = (rounds >= 2) & variance.notna()
+    dof = int((rounds[usable] - 1).sum())
+    if not dof:
+        return LaunchNoise(float("nan"), 0, 0)
+    return LaunchNoise(float(np.sqrt(((rounds[usable] - 1) * variance[usable]).sum() / dof)), dof, int(usable.sum()))
+
+
+def served_units(record: StudyRecord, recorded: RecordedDesign, response: str) -> tuple[list[Unit], LaunchNoise]:
+    """One unit per served design run: its served response. A speed-up's standard error is the pooled launch noise
+    over its rounds (sd / sqrt(R_i)), so the residual's spread beyond it is the seeds' (training) noise; an accepted
+    length's, its own over requests (T = 0 draws the same cycles in every launch)."""
+    rows = [(row, point) for row, point in design_rows(record, recorded) if np.isfinite(row.get(response, np.nan))]
+    noise = launch_noise(pd.DataFrame([row for row, _ in rows])) if rows else LaunchNoise(float("nan"), 0, 0)
+    units = []
+    for row, point in rows:
+        se = row.get(f"{response}_se", np.nan)
+        if response == served_names.OBJECTIVE_SPEEDUP and np.isfinite(noise.sd):
+            se = noise.sd / np.sqrt(row[served_names.ROUNDS_COLUMN])
+        units.append(Unit(point, float(row[response]), float(se), row["run_name"]))
+    return units, noise
 
 
 def fit_recorded(recorded: RecordedDesign, units: list[Unit]) -> tuple[Fit, bool]:
@@ -143,14 +185,25 @@ class Carried:
 
 
 @dataclass(frozen=True)
+class ServedFit:
+    """A design fitted on a served response of its runs at the first budget, beside the offline fit."""
+
+    response: str  # a served objective (served_speedup, served_accepted_length)
+    fit: BudgetFit
+    launches: LaunchNoise
+
+
+@dataclass(frozen=True)
 class DesignAnalysis:
     """A designed study's fits: at its first budget, and at each longer one on the design those ran; and how each
-    effect carried to each longer budget (empty where either fit has no effects yet)."""
+    effect carried to each longer budget (empty where either fit has no effects yet); and, for a study whose
+    objective is served, the first budget's fit on that response."""
 
     recorded: RecordedDesign
     first: BudgetFit
     longer: list[BudgetFit]
     carried: dict[int, list[Carried]]  # longer budget's steps -> each term's transfer
+    served: ServedFit | None = None
 
     def transfer_labels(self) -> dict[str, str]:
         """`steps/term` -> label: the parent run's tags."""
@@ -191,7 +244,10 @@ class StudyAnalysis:
 
 def budget_fit(record: StudyRecord, recorded: RecordedDesign, steps: int | None) -> BudgetFit:
     at = record if steps is None else at_budget(record, steps)
-    units = design_units(at, recorded)
+    return fitted(at, recorded, steps, design_units(at, recorded))
+
+
+def fitted(at: StudyRecord, recorded: RecordedDesign, steps: int | None, units: list[Unit]) -> BudgetFit:
     fit, with_interactions = fit_recorded(recorded, units)
     wall = at.runs.loc[at.runs["run_name"].isin([u.name for u in units]), "wall_s"] if units else []
     return BudgetFit(steps, units, fit, with_interactions, float(np.nansum(wall)))
@@ -205,7 +261,15 @@ def analyse_design(record: StudyRecord) -> DesignAnalysis | None:
     longer_design = dataclasses.replace(recorded, design=recorded.longer)
     short = budget_fit(record, recorded, first if longer else None)
     fits = [budget_fit(record, longer_design, steps) for steps in longer]
-    return DesignAnalysis(recorded, short, fits, {fit.steps: carried(short.fit, fit.fit) for fit in fits})
+    found = DesignAnalysis(recorded, short, fits, {fit.steps: carried(short.fit, fit.fit) for fit in fits})
+    objectives = record.parent["params"].get("study.objectives", "").split(",")
+    responses = [o for o in objectives if o in served_names.RESPONSES]
+    if not responses:
+        return found
+    at = at_budget(record, first) if longer else record
+    units, launches = served_units(at, recorded, responses[0])
+    served = ServedFit(responses[0], fitted(at, recorded, short.steps, units), launches)
+    return dataclasses.replace(found, served=served)
 
 
 def carried(short: Fit, long: Fit) -> list[Carried]:

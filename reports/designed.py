@@ -9,11 +9,12 @@ import pandas as pd
 
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH, se_name
 from harness.design import FACTORIAL, TRANSFER_MEANINGS
+from harness.serving import metrics as served_names
 from harness.uncertainty import Estimate, mean_estimate, t_interval, unpaired_difference
 from harness.validation import SUBSET_ROWS
-from reports.analysis import RecordedDesign, StudyAnalysis, run_value
+from reports.analysis import RecordedDesign, ServedFit, StudyAnalysis, run_value
 from reports.collect import StudyRecord
-from reports.effects import ARM, Effect, Fit
+from reports.effects import ARM, RESOLVED, Effect, Fit
 from reports.markdown import plain_table
 
 LAST_PART = 1 / 3  # the learning-curve gain is measured over the last third of training
@@ -93,7 +94,67 @@ def effects_section(
         f"{carried.get(e.term, '')}."
         for e in fit.effects
     ]
+    if analysis.design.served is not None:
+        served_part, served_lines = served_effects(analysis.design.served, fit, recorded.reference)
+        parts.append(served_part)
+        lines += served_lines
     return "\n\n".join(parts), lines
+
+
+def served_effects(served: ServedFit, offline: Fit, reference: str) -> tuple[str, list[str]]:
+    """The design's effects on its served response beside its effects on offline realized acceptance, with the
+    noise each served effect carries, and where the two disagree."""
+    fit, launches = served.fit.fit, served.launches
+    title = f"### Effects on `{served.response}` (served by llama.cpp)"
+    if not fit.effects:
+        return f"{title}\n\nNo effect can be estimated yet: {fit.note or 'no served run'}.", [
+            f"- Served effects: none estimable ({fit.note or 'no served run'})."
+        ]
+    if served.response == served_names.OBJECTIVE_SPEEDUP and math.isfinite(launches.sd):
+        noise = (
+            f"Every run was served in rounds, each a fresh server launch with the draft and one without; a run's "
+            f"value is its mean round speed-up, and its standard error the launch-to-launch sd pooled over "
+            f"{launches.runs} runs ({launches.dof} df), {launches.sd:.3f}, over the square root of its rounds. The "
+            f"spread between runs beyond that, τ = {math.sqrt(fit.tau2):.3f}, is the seeds' (training) noise: both "
+            f"are inside the intervals ({fit.residual_dof} residual df)."
+        )
+    else:
+        noise = (
+            f"A run's standard error is its own over requests; launch-to-launch noise is not measured within runs "
+            f"(one round each) and sits, with the seeds' noise (τ = {math.sqrt(fit.tau2):.3f}), in the residual "
+            f"({fit.residual_dof} df)."
+        )
+    offline_by_term = {e.term: e for e in offline.effects}
+    rows = [
+        [
+            term_label(e.term, reference),
+            offline_by_term[e.term].text() if e.term in offline_by_term else "–",
+            e.text(),
+            agreement(offline_by_term.get(e.term), e),
+        ]
+        for e in fit.effects
+    ]
+    table = plain_table(["effect", "offline realized accepted length", f"`{served.response}`", "reading"], rows)
+    lines = [
+        f"- {term_label(e.term, reference)} on `{served.response}`: {e.text()} ({dof_text(e, fit)}, launch and seed "
+        f"noise inside); {agreement(offline_by_term.get(e.term), e)}."
+        for e in fit.effects
+    ]
+    return f"{title}\n\n{noise}\n\n{table}", lines
+
+
+def agreement(offline: Effect | None, served: Effect) -> str:
+    """How an effect on served speed reads against the same effect on offline acceptance."""
+    if offline is None:
+        return "no offline effect to compare"
+    if offline.label == RESOLVED and served.label == RESOLVED:
+        same = (offline.estimate.value > 0) == (served.estimate.value > 0)
+        return "the same direction served" if same else "opposite directions: the cycle's cost reverses it"
+    if offline.label == RESOLVED:
+        return "an effect on acceptance that the served speed does not show (the cycle's cost may eat it)"
+    if served.label == RESOLVED:
+        return "an effect on served speed without one on acceptance: the cycle's cost"
+    return "neither resolves"
 
 
 def measured_transfer_text(measured: dict, reference: str) -> str:

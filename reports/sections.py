@@ -627,9 +627,9 @@ def served_section(record: StudyRecord) -> str | None:
             fmt(run["realized_accepted_length"]),
             fmt(run["measured_greedy"]),
             fmt(run[served_names.GREEDY_COLUMN]),
-            f"{run[served_names.AGREEMENT_COLUMN]:.3f} of {int(run[served_names.CYCLES_COLUMN])}",
-            f"{int(run[served_names.FLIPS_COLUMN])} / {int(run[served_names.FLIPS_HARNESS_COLUMN])}",
+            *compared_cells(run),
             speedup_text(run),
+            launches_text(run),
             break_even_text(run),
         ]
         for _, run in runs[runs[served_names.GREEDY_COLUMN].notna()].iterrows()
@@ -640,15 +640,43 @@ def served_section(record: StudyRecord) -> str | None:
         "decoding. *Cycles agreeing*: the fraction of verify cycles, among those in which both drafted the whole "
         "block, where llama.cpp accepted exactly what the harness's decoder accepted. *Flips*: requests whose served "
         "tokens differ from the same engine without the draft / from the harness's greedy reference. *Speed-up*: "
-        "served tokens/s with the draft over without, on the machine that ran it, with its 95% interval over requests "
-        "(each request timed alone before and after the draft's server, the mean of the two; launch-to-launch "
-        "differences of the server are not inside it). *Break-even*: the accepted length "
+        "served tokens/s with the draft over without, on the machine that ran it. A compared run (one launch) has its "
+        "95% interval over requests (each request timed alone before and after the draft's server, the mean of the "
+        "two; launch-to-launch differences are not inside it); a run served for its speed alone (a study's served "
+        "objective: no cycle comparison) is the mean over *launches* rounds, each a fresh server with the draft and "
+        "one without, with its interval over rounds (launch noise inside). *Break-even*: the accepted length "
         "at which a draft of this shape would start to pay for itself on that machine (llama.cpp at synthetic "
         "accepted lengths, 95% interval over prompts), and how many accepted tokens per cycle the run is short of it. "
         "docs/metrics.md defines each."
     )
-    headers = ["run", "realized", "measured T=0", "served T=0", "cycles agreeing", "flips", "speed-up", "break-even"]
+    headers = [
+        "run",
+        "realized",
+        "measured T=0",
+        "served T=0",
+        "cycles agreeing",
+        "flips",
+        "speed-up",
+        "launches",
+        "break-even",
+    ]
     return "## Served (llama.cpp)\n\n" + note + "\n\n" + table(headers, rows)
+
+
+def compared_cells(run) -> list[str]:
+    """Cycles agreeing and flips; dashes for a run served for its speed alone (nothing was compared)."""
+    if math.isnan(run[served_names.CYCLES_COLUMN]):
+        return ["– (speed only)", "–"]
+    return [
+        f"{run[served_names.AGREEMENT_COLUMN]:.3f} of {int(run[served_names.CYCLES_COLUMN])}",
+        f"{int(run[served_names.FLIPS_COLUMN])} / {int(run[served_names.FLIPS_HARNESS_COLUMN])}",
+    ]
+
+
+def launches_text(run) -> str:
+    """The rounds of fresh launches the speed-up is a mean over (1 for a compared run, or one served before rounds)."""
+    rounds = run.get(served_names.ROUNDS_COLUMN, float("nan"))
+    return "1" if rounds is None or math.isnan(rounds) else str(int(rounds))
 
 
 def speedup_text(run) -> str:

@@ -198,6 +198,8 @@ def trial_config(definition: StudyDefinition, params: dict) -> RunConfig:
 def check_against_target(definition: StudyDefinition, workdir: Path) -> None:
     """The base, and every design point, against the target's config (no weights): a knob the target cannot
     take is refused at launch, before anything trains, instead of failing every trial."""
+    from harness.serving.draft import check_served_format
+    from harness.serving.engine import EngineError
     from harness.targets import target_config, target_spec
 
     spec = target_spec(target_config(definition.base.target, workdir), definition.base.target)
@@ -210,7 +212,9 @@ def check_against_target(definition: StudyDefinition, workdir: Path) -> None:
             config = config.replace(mask_token_id=0)
         try:
             draft_config(config, spec)
-        except ValueError as error:
+            if definition.served_objectives:  # every trial is served: a member the engine cannot serve is refused
+                check_served_format(config.entry)
+        except (ValueError, EngineError) as error:
             raise StudyDefinitionError(
                 f"study {definition.name!r}: {where}: {error} (target {definition.base.target})"
             ) from None
@@ -398,9 +402,14 @@ class StudyRunner:
             trial.set_user_attr(ATTR_FAIL_REASON, f"interrupted: {stop or type(stop).__name__}")
             requeue_interrupted(self.study, self.study._storage.get_trial(trial._trial_id))
             raise
-        per_seed = [
-            self._objective_values(trial, seed, r) for seed, r in zip(self.definition.seeds, results, strict=True)
-        ]
+        try:
+            per_seed = [
+                self._objective_values(trial, seed, r) for seed, r in zip(self.definition.seeds, results, strict=True)
+            ]
+        except Exception as error:  # a served objective's serving failed: the trial fails with the reason
+            trial.set_user_attr(ATTR_FAIL_REASON, f"serving: {type(error).__name__}: {error}")
+            print(f"[trial {trial.number}] serving failed: {type(error).__name__}: {error}", flush=True)
+            raise
         trial.set_user_attr(ATTR_SEED_VALUES, per_seed)
         values = [sum(column) / len(column) for column in zip(*per_seed, strict=True)]  # the mean over seeds
         # A seed's run that had finished before an interruption comes back from its checkpoint's history, whose
@@ -450,17 +459,17 @@ class StudyRunner:
         served = {}
         if self.definition.served_objectives:
             name = self.trial_run(trial.user_attrs.get(ATTR_ORIGIN, trial.number), seed)
-            served = self._served(name, f"served for the objective {self.definition.objectives}")
+            served = self._served(name, f"served for the objective {self.definition.objectives}", speed_only=True)
         return [
             served[served_names.OBJECTIVES[o]] if o in served_names.OBJECTIVES else result.validation[o]
             for o in self.definition.objectives
         ]
 
-    def _served(self, name: str, why: str) -> dict[str, float]:
-        """The run's served/* metrics: the run served now by the study's engine on its prompts, or read back when
-        a serving of it finished before (served/* landed, but a kill came before the study noted it: served once
-        is enough)."""
-        from harness.serving.compare import serve_run, served_status
+    def _served(self, name: str, why: str, speed_only: bool = False) -> dict[str, float]:
+        """The run's served/* metrics: the run served now by the study's engine on its prompts (for its speed alone,
+        in rounds, or compared with the harness cycle by cycle), or read back when a serving of it finished before
+        (served/* landed, but a kill came before the study noted it: served once is enough)."""
+        from harness.serving.compare import serve_run, serve_speed_run, served_status
         from harness.serving.engine import find_engine
 
         run = Run(self.workdir, name, tracking.experiment_name(self.definition.name))
@@ -470,7 +479,8 @@ class StudyRunner:
         draft = trained.draft(self.workspace.target, self.device)
         print(f"[serve] {name}: {why}", flush=True)
         evaluation, documents = self.definition.evaluation, self.workspace.data.validation
-        return serve_run(find_engine(), run, self.workspace.target, draft, documents, evaluation)
+        serve = serve_speed_run if speed_only else serve_run
+        return serve(find_engine(), run, self.workspace.target, draft, documents, evaluation)
 
     def _await_trunk(self, trial: optuna.Trial, params: dict) -> int:
         """The trial whose runs a branch trial anneals (its point at the longest budget; a retry's runs carry the

@@ -212,6 +212,12 @@ class EvaluateSection(Section):
         description="at the end, register the best run's export (export/ artifacts) as a version of this model "
         "in MLflow's model registry (one objective only)",
     )
+    served_rounds: int = Field(
+        EvalConfig().served_rounds,
+        ge=1,
+        description="a served objective's rounds per run: each a fresh launch with the draft and one without, so "
+        "that launch-to-launch noise is inside the run's interval (2 or more measure it)",
+    )
     serve: Literal["llama.cpp"] | None = Field(
         None,
         description="at the end, serve the best run and the reference arm's first run in this engine on the "
@@ -471,6 +477,7 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
             temperatures=tuple(float(t) for t in evaluate.temperatures),
             confidence_threshold=evaluate.confidence_threshold,
             prompts=evaluate.prompts,
+            served_rounds=evaluate.served_rounds,
         ),
         nproc_per_node=nproc_per_node,
         design=design,

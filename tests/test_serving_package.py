@@ -58,6 +58,8 @@ def test_the_names_are_distinct_and_the_objectives_read_summary_metrics():
         *served_names.SUMMARY,
         served_names.CYCLES_COMPARED,
         served_names.se(served_names.SPEEDUP),
+        served_names.ROUNDS,
+        served_names.LAUNCH_VARIANCE,
     }
 
 

@@ -5,6 +5,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ import reports.analysis
 from harness import tracking
 from harness.design import TRANSFER_MEANINGS
 from harness.devices import computes_in
+from harness.run import SERVED_RECORDS_FILE
 from harness.serving import metrics as served_names
 from reports.build import build_report_with_summary
 from reports.sections import GENERATED_PREFIX
@@ -758,43 +760,44 @@ def test_sigterm_in_a_studys_serving_step_stops_the_server_and_a_relaunch_serves
     assert len(client.get_metric_history(run.info.run_id, metric)) == 1
 
 
-def test_a_study_served_for_its_objective_trades_the_speed_up_against_the_draft_step(
-    e2e_workspace, e2e_workdir, tmp_path
-):
-    """objective [served_speedup, draft_step_ms] with the real engine: each trial's run is served by llama.cpp at
-    the end of its training and the trial's first value is that run's served speed-up; the report and the parent
-    run carry the Pareto front; a relaunch serves nothing again."""
-    study_file = _study_file(
-        tmp_path,
-        "served-objective",
-        **{
-            "conv_group_size: [16, 7]": "conv_group_size: [16]",
-            "objective: realized_accepted_length": "objective: [served_speedup, draft_step_ms]",
-            ", register: tiny-drafter}": "}",  # a Pareto study has no single best run to register
-            "baselines: [dflash, dflash2_defaults]": "baselines: []",
-            "n_trials: 4": "n_trials: 2",
-            "evaluate: {best_trials: 0, num_prompts: 2, max_new_tokens: 16": (
-                "evaluate: {best_trials: 0, serve: llama.cpp, num_prompts: 1, max_new_tokens: 16"
-            ),
-        },
-    )
+def test_a_design_served_for_its_objective_fits_effects_on_the_served_speed_up(e2e_workspace, e2e_workdir, tmp_path):
+    """objective served_speedup on the tiny conv design (two seeds) with the real engine: each run is served for
+    its speed alone in two rounds of fresh launches (no harness decode, no cycle comparison), the trial's value is
+    its runs' mean speed-up, and the report fits the conv effect on the served speed-up beside the offline one,
+    with the pooled launch noise; a relaunch serves nothing again."""
+    text = DESIGN.read_text().replace("name: tiny-design", "name: served-design")
+    text = text.replace("objective: realized_accepted_length", "objective: served_speedup")
+    text = text.replace("factors: {conv: [off, on]}", "factors: {conv_kernel_size: [1, 3]}")  # DFlash2 both
+    text += "evaluate: {serve: llama.cpp, num_prompts: 1, max_new_tokens: 16, temperatures: [0], served_rounds: 2}\n"
+    study_file = tmp_path / "served-design.yaml"
+    study_file.write_text(text)
     done = _launch(study_file, e2e_workdir, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("[serve] served-objective-trial-") == 2
-    study = optuna.load_study(study_name="served-objective", storage=storage_url(e2e_workdir, None))
+    assert done.stdout.count("[serve] served-design-trial-") == 4
+    study = optuna.load_study(study_name="served-design", storage=storage_url(e2e_workdir, None))
     complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
     assert len(complete) == 2
     client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
+    experiment = client.get_experiment_by_name("dflash-lab/served-design").experiment_id
+    runs = client.search_runs([experiment], "tags.`dflash_lab.role` = 'trial'")
+    assert len(runs) == 4
+    speedup = f"{served_names.PREFIX}{served_names.SPEEDUP}"
+    for run in runs:
+        metrics = run.data.metrics
+        assert metrics[f"{served_names.PREFIX}{served_names.ROUNDS}"] == 2 and metrics[speedup] > 0
+        assert f"{served_names.PREFIX}{served_names.LAUNCH_VARIANCE}" in metrics
+        assert f"{served_names.PREFIX}{served_names.AGREEMENT_CYCLES}" not in metrics  # no cycle comparison
+        records = json.loads((e2e_workdir / "runs" / run.info.run_name / SERVED_RECORDS_FILE).read_text())
+        assert [r["drafted_first"] for r in records] == [False, True]  # the rounds alternate which pass goes first
+        assert statistics.fmean(r["speedup"] for r in records) == pytest.approx(metrics[speedup])
+    by_name = {r.info.run_name: r.data.metrics[speedup] for r in runs}
     for trial in complete:
-        metrics = client.get_run(trial.user_attrs[ATTR_RUN_ID]).data.metrics
-        assert trial.values[0] == metrics[f"{served_names.PREFIX}speedup"] > 0
-        assert trial.values[1] > 0  # the draft's step time, ms
-    experiment = client.get_experiment_by_name("dflash-lab/served-objective").experiment_id
-    (parent,) = client.search_runs([experiment], "tags.`dflash_lab.role` = 'study'")
-    front = {f"trial {t.number}" for t in study.best_trials}
-    assert set(parent.data.tags[tracking.TAG_PARETO_FRONT].split(", ")) == front
-    report = (e2e_workdir / "reports" / "served-objective" / "README.md").read_text()
-    assert "## Pareto front" in report and "| trial | selector_rank | served_speedup | draft_step_ms |" in report
+        seeds = [by_name[f"served-design-trial-{trial.number}-seed{seed}"] for seed in (0, 1)]
+        assert trial.value == pytest.approx(statistics.fmean(seeds))
+    report = (e2e_workdir / "reports" / "served-design" / "README.md").read_text()
+    section = report.split("### Effects on `served_speedup`")[1].split("## ")[0]
+    assert "launch-to-launch sd pooled over 4 runs (4 df)" in section and "| `conv_kernel_size` |" in section
+    assert "`conv_kernel_size` on `served_speedup`" in report
     again = _launch(study_file, e2e_workdir, "--no-report", cwd=tmp_path)
     assert again.returncode == 0 and "[serve]" not in again.stdout and "[trial" not in again.stdout
 

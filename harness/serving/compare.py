@@ -34,6 +34,7 @@ from harness.serving.draft import ServedDraft, check_servable, served_draft, ser
 from harness.serving.engine import Engine
 from harness.serving.gguf import target_gguf
 from harness.serving.server import Completion, Session, check_prompts_fit
+from harness.serving.speed import serve_speed
 from harness.serving.timing import Passes, bracketed
 from harness.targets import Target
 from harness.tracking import TAG_SERVED_REASON, TAG_SERVED_STATUS, RunStatus
@@ -149,6 +150,24 @@ def serve_run(
     with serving(run):
         metrics, records = serve_and_compare(engine, run, target, draft, chat_documents, config)
         log_served(run, engine, metrics, records)
+    return metrics
+
+
+def serve_speed_run(
+    engine: Engine, run: Run, target: Target, draft: DFlashDraft, chat_documents, config: EvalConfig
+) -> dict[str, float]:
+    """Serve one run's draft for its speed alone (speed.py: rounds of fresh launches, no harness decode) and log
+    it: what a study's served objective costs per trial."""
+    check_servable(draft)
+    sets = prompt_sets(target.tokenizer, chat_documents, config)
+    check_prompts_fit(sets, config.max_new_tokens)
+    with serving(run):
+        session = Session.of(engine, run.workdir, run.path(SERVED_DIR))
+        model = target_gguf(engine, run.workdir, target)
+        served_as = served_draft(engine, run, draft, target)
+        speed = serve_speed(session, model, served_as, sets, config.max_new_tokens, config.served_rounds)
+        metrics = speed.metrics()
+        log_served(run, engine, metrics, speed.records())
     return metrics
 
 
@@ -294,6 +313,7 @@ def served_metrics(served: Served, alone: Served, records: list[dict]) -> dict[s
         names.se(names.SPEEDUP): speedup.se,
         names.low(names.SPEEDUP): speedup.low,
         names.high(names.SPEEDUP): speedup.high,
+        names.ROUNDS: 1,  # one launch with the draft: its interval holds no launch noise (speed.py's rounds do)
     }
     compared = sum(r["cycles_compared"] for r in records)
     metrics[names.CYCLES_COMPARED] = compared

@@ -21,6 +21,8 @@ SPEEDUP = "speedup"  # tokens/s with the draft over the bracketed target alone, 
 BREAK_EVEN = "break_even_accepted_length"  # the accepted length at which the draft's shape pays for itself
 BREAK_EVEN_SHORTFALL = "break_even_shortfall"  # break-even minus the served accepted length
 CYCLE_COST = "cycle_cost_plain_tokens"  # one draft-and-verify cycle's time in plain decoded tokens
+ROUNDS = "speed_rounds"  # fresh launches (drafted and alone) the speed-up is the mean over; 1 for a compared serving
+LAUNCH_VARIANCE = "speedup_launch_variance"  # the round speed-ups' sample variance: launch-to-launch noise
 
 
 def se(name: str) -> str:
@@ -59,18 +61,28 @@ SUMMARY = (
     CYCLE_COST,
 )
 
-# A study's served objectives: each trial's run served at the end of its training, read as this served metric.
+# A study's served objectives: each trial's run served at the end of its training (speed.py), read as this metric.
 OBJECTIVE_SPEEDUP, OBJECTIVE_TOKENS_PER_S = "served_speedup", "served_tokens_per_s"
-OBJECTIVES = {OBJECTIVE_SPEEDUP: SPEEDUP, OBJECTIVE_TOKENS_PER_S: TOKENS_PER_S_DRAFT}
+OBJECTIVE_ACCEPTED = "served_accepted_length"
+OBJECTIVES = {
+    OBJECTIVE_SPEEDUP: SPEEDUP,
+    OBJECTIVE_TOKENS_PER_S: TOKENS_PER_S_DRAFT,
+    OBJECTIVE_ACCEPTED: ACCEPTED_GREEDY,
+}
+# The served objectives a designed study can fit effects on, run by run (reports.analysis): each has a standard error.
+RESPONSES = (OBJECTIVE_SPEEDUP, OBJECTIVE_ACCEPTED)
 
 # A report's columns of a served run, and the served metric each one reads.
 GREEDY_COLUMN = "served_greedy"
+ROUNDS_COLUMN, LAUNCH_VARIANCE_COLUMN = "served_rounds", "served_launch_variance"
 AGREEMENT_COLUMN = "served_agreement"
 CYCLES_COLUMN = "served_cycles"
 FLIPS_COLUMN, FLIPS_HARNESS_COLUMN = "served_flips", "served_flips_harness"
 BREAK_EVEN_COLUMN = "served_break_even"
 COLUMNS = {
     GREEDY_COLUMN: ACCEPTED_GREEDY,
+    ROUNDS_COLUMN: ROUNDS,
+    LAUNCH_VARIANCE_COLUMN: LAUNCH_VARIANCE,
     AGREEMENT_COLUMN: AGREEMENT_CYCLES,
     CYCLES_COLUMN: CYCLES_COMPARED,
     FLIPS_COLUMN: FLIPS_VS_ENGINE,
@@ -89,6 +101,8 @@ COLUMNS = {
 NAMES = (
     PREFIX,
     *SUMMARY,
+    ROUNDS,
+    LAUNCH_VARIANCE,
     *OBJECTIVES,
     *(column for column in COLUMNS if column not in OBJECTIVES),
 )
