@@ -22,6 +22,7 @@ from algorithms.blocks import (
 from algorithms.metrics import MetricCounts, path_counts, pool, scalar_counts, unary_counts
 from algorithms.modeling import DraftBackbone, DraftConfig
 from algorithms.sampling import draw
+from algorithms.selector import CandidateSelector
 from algorithms.unary_head import UnaryHead, UnaryObjective, unary_head
 
 # Queries per block-sparse attention tile: small enough to skip most of the dense mask, large enough
@@ -195,11 +196,28 @@ class DFlashDraft(DraftBackbone):
         pool(counts, unary_counts(out.head.stats, out.mask, self.block_size, self.shared.first_draft_slot))
         return StepOutput(loss, counts)
 
+    # Layers with convs exist in the peers' format (and llama.cpp's) only as DFlash2, which always has a selector: a
+    # draft with convs and no selector (DFlash + conv) is written with the null selector, one candidate and rank 1
+    # with zero codebooks, whose walk is the unary argmax path that this draft decodes.
+    NULL_SELECTOR = {"selector_rank": 1, "selector_top_k": 1}
+
     def export_fields(self) -> dict[str, int | None]:
         """Algorithm fields of the exported config, under the peers' names (conv fields when the layers have one)."""
         if self.config.conv_kernel_size is None:
             return {}
-        return {"conv_kernel_size": self.config.conv_kernel_size, "conv_group_size": self.config.conv_group_size}
+        conv = {"conv_kernel_size": self.config.conv_kernel_size, "conv_group_size": self.config.conv_group_size}
+        return conv if self.algorithm.entry.has_selector else {**conv, **self.NULL_SELECTOR}
+
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors of an exported checkpoint, under the draft's own names (a null selector added where the
+        format needs one)."""
+        tensors = dict(self.state_dict())
+        if self.config.conv_kernel_size is not None and not self.algorithm.entry.has_selector:
+            null = CandidateSelector(self.config.target.vocab_size, self.config.hidden_size, 1)
+            tensors |= {
+                f"candidate_selector.{name}": torch.zeros_like(value) for name, value in null.state_dict().items()
+            }
+        return tensors
 
     def objective(self, out: BlockForward) -> tuple[torch.Tensor, MetricCounts]:
         """DFlash's loss is the unary loss; its realized path is the unary argmax path."""

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from algorithms import losses
+from algorithms.conv import GroupedDynamicConv
 from algorithms.dflash import BlockForward, DFlashDraft, Proposal
 from algorithms.knobs import SelectorKnobs
 from algorithms.metrics import MetricCounts, pool, scalar_counts, selector_counts
@@ -56,12 +57,23 @@ class DFlash2Draft(DFlashDraft):
         super().reset_parameters()
         self.candidate_selector.reset_parameters()
 
+    # The peers' DFlash2 format (and llama.cpp's) always has convs: a draft whose layers have none (DFlash + selector)
+    # is written with the identity conv, one tap over one group (spec §4.1's init), which computes exactly the
+    # conv-free layer.
+    IDENTITY_CONV = {"conv_kernel_size": 1, "conv_group_size": None}  # None: the hidden size (one group)
+
     def export_fields(self) -> dict[str, int | None]:
-        return {
-            **super().export_fields(),
-            "selector_rank": self.knobs.selector_rank,
-            "selector_top_k": self.candidate_top_k,
-        }
+        conv = super().export_fields() or {**self.IDENTITY_CONV, "conv_group_size": self.config.hidden_size}
+        return {**conv, "selector_rank": self.knobs.selector_rank, "selector_top_k": self.candidate_top_k}
+
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = super().export_tensors()
+        if self.config.conv_kernel_size is None:
+            identity = GroupedDynamicConv(self.config.hidden_size, 1, self.config.hidden_size).state_dict()
+            for index in range(len(self.layers)):
+                for conv in ("attention_conv", "mlp_conv"):
+                    tensors |= {f"layers.{index}.{conv}.{name}": value for name, value in identity.items()}
+        return tensors
 
     def teacher_predecessors(self, block_tokens: torch.Tensor) -> torch.Tensor:
         """p_k = x_{a+k-1}, the dataset token; slot 0 reuses the anchor. [2,3,4,5] -> [2,2,3,4]."""

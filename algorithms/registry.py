@@ -116,7 +116,12 @@ ALGORITHMS: dict[str, Algorithm] = {
             PeerFormat("dflash", "DFlashDraftModel"),
         ),
         Algorithm(
-            "dflash+conv", DFlashDraft, ConvKnobs, DFLASH2_SHARED, "DFlash + grouped dynamic conv, unary decoding", None
+            "dflash+conv",
+            DFlashDraft,
+            ConvKnobs,
+            DFLASH2_SHARED,
+            "DFlash + grouped dynamic conv, unary decoding",
+            PeerFormat("dflash2", "DFlash2DraftModel"),  # written with the null selector (DFlashDraft.export_tensors)
         ),
         Algorithm(
             "dflash+selector",
@@ -124,7 +129,7 @@ ALGORITHMS: dict[str, Algorithm] = {
             SelectorKnobs,
             DFLASH2_SHARED,
             "DFlash + candidate selector and split objective, no conv",
-            None,
+            PeerFormat("dflash2", "DFlash2DraftModel"),  # written with the identity conv (DFlash2Draft.export_tensors)
         ),
         Algorithm(
             "dflash2",

@@ -173,7 +173,9 @@ def export_checkpoint(draft: DFlashDraft, out_dir: Path, verifier_name_or_path: 
     """Write model.safetensors (bf16, no embed/head) and config.json into `out_dir`, atomically."""
     out_dir = Path(out_dir)
     config = checkpoint_config(draft, verifier_name_or_path)
-    tensors = {name: value.detach().to(torch.bfloat16).cpu().contiguous() for name, value in draft.state_dict().items()}
+    tensors = {
+        name: value.detach().to(torch.bfloat16).cpu().contiguous() for name, value in draft.export_tensors().items()
+    }
 
     def write(tmp: Path) -> None:
         tmp.mkdir(parents=True)
@@ -186,9 +188,14 @@ def export_checkpoint(draft: DFlashDraft, out_dir: Path, verifier_name_or_path: 
 
 
 def load_exported_weights(draft: DFlashDraft, checkpoint_dir: Path) -> DFlashDraft:
-    """Load an exported checkpoint's tensors back into a draft of the same shape (strict)."""
+    """Load an exported checkpoint's tensors back into a draft of the same shape: the export holds exactly the
+    tensors the draft exports (an identity conv it writes included), and every one of its own is loaded."""
     state = load_file(Path(checkpoint_dir) / "model.safetensors")
-    draft.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    exported = set(draft.export_tensors())
+    if set(state) != exported:
+        raise ValueError(f"the export's tensors differ from the draft's: {sorted(set(state) ^ exported)[:5]}")
+    own = draft.state_dict()
+    draft.load_state_dict({k: v.float() for k, v in state.items() if k in own}, strict=True)
     return draft
 
 

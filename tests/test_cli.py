@@ -170,15 +170,22 @@ def test_knob_flags_carry_type_choices_and_help():
 
 
 @pytest.mark.parametrize("algorithm", ["dflash+conv", "dflash+selector"])
-def test_component_variants_dry_run_and_explain_why_they_do_not_export(cli, algorithm):
+def test_component_variants_dry_run_and_export_as_dflash2(cli, algorithm):
+    """Each variant trains only its own component, and is written as DFlash2 with the other one neutral: the null
+    selector (one candidate: the unary walk) or the identity conv (one tap over one group)."""
     done = cli(["train", "--algorithm", algorithm, "--dry-run", "--target", "tests/data/qwen3-8b"])
     assert done.returncode == 0, done.stderr[-2000:]
     plan = json.loads(done.stdout)
     assert plan["config"]["algorithm"] == algorithm
-    assert plan["checkpoint_config"].startswith(f"cannot export a {algorithm} draft: no peer format")
     has_conv = any("conv" in name for name in plan["tensor_shapes"])
     has_selector = any(name.startswith("candidate_selector") for name in plan["tensor_shapes"])
     assert (has_conv, has_selector) == ((True, False) if algorithm == "dflash+conv" else (False, True))
+    exported = plan["checkpoint_config"]
+    assert exported["architectures"] == ["DFlash2DraftModel"] and exported["speculators_model_type"] == "dflash2"
+    if algorithm == "dflash+conv":
+        assert (exported["selector_rank"], exported["selector_top_k"], exported["conv_kernel_size"]) == (1, 1, 2)
+    else:
+        assert (exported["conv_kernel_size"], exported["conv_group_size"]) == (1, exported["hidden_size"])
 
 
 def test_config_file_sets_algorithm_and_an_explicit_flag_beats_it(cli, tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from algorithms import build_draft
+from algorithms import ALGORITHMS, build_draft
 from harness.export import export_checkpoint, load_exported_weights
 
 from conftest import LLAMA3_ROPE, frozen_tensors, tiny_config, tiny_draft, tiny_target
@@ -17,7 +17,8 @@ dflash_model = pytest.importorskip(
 
 
 def _perturbed(algorithm):
-    draft = tiny_draft(algorithm, selector_init="normal") if algorithm == "dflash2" else tiny_draft(algorithm)
+    has_selector = ALGORITHMS[algorithm].has_selector
+    draft = tiny_draft(algorithm, selector_init="normal") if has_selector else tiny_draft(algorithm)
     with torch.no_grad():
         for name, param in draft.named_parameters():
             if "conv" in name:
@@ -63,12 +64,16 @@ def test_export_layout_and_dual_config(tmp_path, algorithm):
 
 
 @pytest.mark.peer
-@pytest.mark.parametrize("algorithm", ["dflash", "dflash2"])
+@pytest.mark.parametrize("algorithm", ["dflash", "dflash2", "dflash+selector", "dflash+conv"])
 def test_export_loads_in_zlab_dflash_with_matching_outputs(tmp_path, algorithm):
+    """The two component variants are written as DFlash2: dflash+selector with the identity conv, which Z Lab's
+    DFlash2 model computes exactly as the conv-free layers here; dflash+conv with the null selector, whose walk is
+    the unary argmax path this draft decodes."""
     draft = _perturbed(algorithm)
     out = export_checkpoint(draft, tmp_path / "ckpt", "/models/verifier")
     load_exported_weights(draft, out)  # ours with the same bf16-rounded weights
-    cls = dflash_model.DFlash2DraftModel if algorithm == "dflash2" else dflash_model.DFlashDraftModel
+    selector = algorithm != "dflash"  # every other one is read as DFlash2
+    cls = dflash_model.DFlash2DraftModel if selector else dflash_model.DFlashDraftModel
     theirs = cls.from_pretrained(out, dtype=torch.float32).eval()
     assert theirs.target_layer_ids == [i - 1 for i in draft.config.target_layer_ids]
     assert theirs.block_size == draft.block_size and theirs.mask_token_id == draft.config.mask_token_id
@@ -88,7 +93,7 @@ def test_export_loads_in_zlab_dflash_with_matching_outputs(tmp_path, algorithm):
     head = torch.nn.Linear(64, 300, bias=False)
     head.weight.data = draft.head_weight
     assert torch.allclose(draft.output_logits(ours), theirs.compute_logits(reference, head), atol=1e-4)
-    if algorithm == "dflash2":
+    if selector:
         path, _, _ = theirs.propose(reference[None, 1:], torch.tensor([anchor]), head, 0.0)
         assert torch.equal(
             path[0], draft.propose_from_hidden(ours[1:], draft.output_logits(ours)[1:], anchor, 0.0, None).tokens

@@ -142,7 +142,7 @@ def test_variants_without_a_peer_format_refuse_export(tmp_path):
     from harness.export import NoPeerFormat, export_checkpoint
 
     unexportable = [name for name, entry in ALGORITHMS.items() if entry.export_format is None]
-    assert unexportable == ["dflash+conv", "dflash+selector", "domino"]
+    assert unexportable == ["domino"]
     for name in unexportable:
         draft = tiny_draft(name)
         with pytest.raises(NoPeerFormat, match=rf"cannot export a {re.escape(name)} draft: no peer format"):

@@ -761,13 +761,13 @@ def test_sigterm_in_a_studys_serving_step_stops_the_server_and_a_relaunch_serves
 
 
 def test_a_design_served_for_its_objective_fits_effects_on_the_served_speed_up(e2e_workspace, e2e_workdir, tmp_path):
-    """objective served_speedup on the tiny conv design (two seeds) with the real engine: each run is served for
+    """objective served_speedup on the tiny conv design (two seeds) with the real engine (conv off: DFlash + selector,
+    served as DFlash2 with the identity conv): each run is served for
     its speed alone in two rounds of fresh launches (no harness decode, no cycle comparison), the trial's value is
     its runs' mean speed-up, and the report fits the conv effect on the served speed-up beside the offline one,
     with the pooled launch noise; a relaunch serves nothing again."""
     text = DESIGN.read_text().replace("name: tiny-design", "name: served-design")
     text = text.replace("objective: realized_accepted_length", "objective: served_speedup")
-    text = text.replace("factors: {conv: [off, on]}", "factors: {conv_kernel_size: [1, 3]}")  # DFlash2 both
     text += "evaluate: {serve: llama.cpp, num_prompts: 1, max_new_tokens: 16, temperatures: [0], served_rounds: 2}\n"
     study_file = tmp_path / "served-design.yaml"
     study_file.write_text(text)
@@ -796,8 +796,8 @@ def test_a_design_served_for_its_objective_fits_effects_on_the_served_speed_up(e
         assert trial.value == pytest.approx(statistics.fmean(seeds))
     report = (e2e_workdir / "reports" / "served-design" / "README.md").read_text()
     section = report.split("### Effects on `served_speedup`")[1].split("## ")[0]
-    assert "launch-to-launch sd pooled over 4 runs (4 df)" in section and "| `conv_kernel_size` |" in section
-    assert "`conv_kernel_size` on `served_speedup`" in report
+    assert "launch-to-launch sd pooled over 4 runs (4 df)" in section and "| `conv` |" in section
+    assert "`conv` on `served_speedup`" in report
     again = _launch(study_file, e2e_workdir, "--no-report", cwd=tmp_path)
     assert again.returncode == 0 and "[serve]" not in again.stdout and "[trial" not in again.stdout
 

@@ -210,16 +210,18 @@ def test_points_and_base_the_target_cannot_take_are_refused_at_launch(tmp_path):
     check_against_target(load_study(ROOT / "studies" / "default.yaml"), tmp_path)  # the shipped one passes
 
 
-def test_a_served_objective_refuses_at_launch_a_point_the_engine_cannot_serve(tmp_path):
+def test_a_served_objective_refuses_at_launch_a_member_the_engine_cannot_serve(tmp_path):
     from studies.runner import check_against_target
 
-    data = _design_data(factors={"conv": [False, True], "selector": [False, True]}, fraction=0)
-    data["objective"] = "served_speedup"
-    data["evaluate"] = {"serve": "llama.cpp"}
-    with pytest.raises(
-        StudyDefinitionError, match=r"design point \{'conv': True, 'selector': False\}: .*cannot export a dflash\+conv"
-    ):
+    data = _design_data()
+    del data["design"]
+    data["base"].update(algorithm="domino", knobs={})
+    data.update(objective="served_speedup", evaluate={"serve": "llama.cpp"})
+    with pytest.raises(StudyDefinitionError, match=r"study 'default': base: .*cannot export a domino draft"):
         check_against_target(parse_study(data), tmp_path)
+    data = _design_data(factors={"conv": [False, True], "selector": [False, True]}, fraction=0)
+    data.update(objective="served_speedup", evaluate={"serve": "llama.cpp"})
+    check_against_target(parse_study(data), tmp_path)  # every component variant is served as DFlash2
 
 
 def test_the_main_job_runs_its_reference_arm_at_three_seeds_and_one_budget():
