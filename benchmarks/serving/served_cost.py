@@ -1,0 +1,116 @@
+"""What serving costs a study per trial: the compared serving (`evaluate --engine`'s: harness decode, cycle-by-cycle
+comparison, break-even, the target alone before and after) against the speed-only serving a served objective runs
+(harness/serving/speed.py: rounds of fresh launches, with the draft and without), on one trained run, with the same
+prompts and settings, one after the other in the same process. The GGUFs are converted before either is timed.
+
+    python -m benchmarks.serving.served_cost --run instr-c1000-dflash2-b4 --workdir work
+
+Run it on a quiet machine: it times decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
+from harness.config import EvalConfig
+from harness.data import prepare_documents
+from harness.evaluate import prompt_sets
+from harness.run import SERVED_DIR, Run
+from harness.serving import metrics as served_names
+from harness.serving.compare import serve_and_compare
+from harness.serving.draft import served_draft
+from harness.serving.engine import find_engine
+from harness.serving.gguf import target_gguf
+from harness.serving.server import Session
+from harness.serving.speed import serve_speed
+from harness.train import TrainedRun
+
+GROUP, PAGE = "serving", "SERVED_COST"
+
+
+def measure(args: argparse.Namespace) -> Record:
+    engine = find_engine()
+    trained = TrainedRun.load(Run.locate(args.run, args.workdir))
+    run = trained.run
+    target = trained.load_target()
+    draft = trained.draft(target)
+    documents = prepare_documents(target, trained.config.data, run.workdir).validation
+    config = EvalConfig(
+        num_prompts=args.num_prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperatures=(0.0,),
+        served_rounds=args.rounds,
+    )
+    model = target_gguf(engine, run.workdir, target)  # both converted before anything is timed
+    served_as = served_draft(engine, run, draft, target)
+
+    started = time.perf_counter()
+    compared, _ = serve_and_compare(engine, run, target, draft, documents, config)
+    compared_s = time.perf_counter() - started
+
+    started = time.perf_counter()
+    session = Session.of(engine, run.workdir, run.path(SERVED_DIR))
+    sets = prompt_sets(target.tokenizer, documents, config)
+    speed = serve_speed(session, model, served_as, sets, config.max_new_tokens, config.served_rounds).metrics()
+    speed_s = time.perf_counter() - started
+
+    requests = sum(len(prompts) for prompts in sets.values())
+    speedup, se = served_names.SPEEDUP, served_names.se(served_names.SPEEDUP)
+    rows = [
+        [
+            "compared (`evaluate --engine`)",
+            f"{compared_s:.0f}",
+            "1.00",
+            f"{compared[speedup]:.3f} ± {compared[se]:.3f} (over requests, one launch)",
+            "harness decode, cycle comparison, break-even, alone before and after",
+        ],
+        [
+            f"speed only, {args.rounds} rounds (a served objective)",
+            f"{speed_s:.0f}",
+            f"{speed_s / compared_s:.2f}",
+            f"{speed[speedup]:.3f} ± {speed[se]:.3f} (over rounds: launch noise inside)",
+            f"{2 * args.rounds} launches: with the draft and without, alternating which goes first",
+        ],
+    ]
+    title = f"Served cost per trial: run `{run.name}`, {requests} prompts, {args.max_new_tokens} new tokens, T = 0"
+    about = (
+        f"One trained run served both ways on the same {requests} prompts (MT-bench first turns and held-out chat, "
+        f"{args.num_prompts} of each), {args.max_new_tokens} new tokens at T = 0, the compared serving first. Wall "
+        "seconds from the served draft's GGUF on (both converted beforehand)."
+    )
+    values = {
+        "run": run.name,
+        "requests": requests,
+        "max_new_tokens": args.max_new_tokens,
+        "rounds": args.rounds,
+        "compared_s": compared_s,
+        "speed_only_s": speed_s,
+        "ratio": speed_s / compared_s,
+        "compared": {k: v for k, v in compared.items() if isinstance(v, float | int)},
+        "speed_only": speed,
+    }
+    table = Table(["serving", "wall s", "of compared", "speed-up ± SE", "what it runs"], rows)
+    return Record(title, [about, table], values, Provenance.now(engine=engine.commit))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", required=True, help="a trained run (name or directory)")
+    parser.add_argument("--workdir", type=Path, default=Path("work"))
+    parser.add_argument("--num-prompts", type=int, default=6, help="MT-bench first turns, and as many chat prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2, help="the speed-only serving's rounds")
+    page_argument(parser, GROUP, PAGE)
+    args = parser.parse_args()
+    page = Page.named(GROUP, args.page or PAGE)
+    found = measure(args)
+    written = page.add(found)
+    print(found.markdown())
+    print(f"recorded {written}; rendered {page.path}")
+
+
+if __name__ == "__main__":
+    main()
