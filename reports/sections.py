@@ -24,6 +24,7 @@ from algorithms.metrics import (
     UNARY_CANDIDATE_RECALL,
     UNARY_CANDIDATE_TARGET_MASS,
     UNARY_FULL_ACC,
+    se_name,
 )
 from algorithms.registry import REFERENCE_ALGORITHM
 from harness import tracking
@@ -660,7 +661,30 @@ def served_section(record: StudyRecord) -> str | None:
         "launches",
         "break-even",
     ]
-    return "## Served (llama.cpp)\n\n" + note + "\n\n" + table(headers, rows)
+    return "## Served (llama.cpp)\n\n" + note + "\n\n" + table(headers, rows) + ngram_table(runs)
+
+
+def ngram_table(runs: pd.DataFrame) -> str:
+    """The compared runs' speed-up beside llama.cpp's n-gram types, served on the same prompts between the same
+    alone passes; empty where no run was served with them."""
+    columns = list(served_names.NGRAM_COLUMNS)
+    compared = runs[runs[columns].notna().any(axis=1)] if set(columns) <= set(runs) else runs.iloc[0:0]
+    if compared.empty:
+        return ""
+
+    def cell(run, column: str) -> str:
+        se = run.get(se_name(column), float("nan"))
+        return fmt(run[column], 2) if math.isnan(se) else f"{run[column]:.2f} ± {se:.2f}"
+
+    rows = [
+        [f"`{run['run_name']}`", speedup_text(run), *(cell(run, c) for c in columns)] for _, run in compared.iterrows()
+    ]
+    kinds = [f"`{kind}`" for kind in served_names.NGRAM_TYPES]
+    return (
+        "\n\n**Beside llama.cpp's training-free speculation.** Each n-gram type served on the same prompts at T = 0, "
+        "between the same two alone passes as the run's draft, its speed-up ± SE over requests (one launch each):\n\n"
+        + table(["run", "draft", *kinds], rows)
+    )
 
 
 def compared_cells(run) -> list[str]:

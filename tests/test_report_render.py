@@ -16,6 +16,7 @@ from algorithms.metrics import (
     recall_position_name,
     unary_position_acc_name,
 )
+from harness.serving import metrics as served_names
 from harness.validation import ANCHORS_COLUMN, DOCUMENT_COLUMN, SUM_SUFFIX, TOTAL_SUFFIX
 from reports.analysis import study_configurations
 from reports.collect import TUNED_KNOBS, StudyRecord
@@ -252,7 +253,14 @@ def test_a_served_run_gets_its_column_and_its_agreement_line(tmp_path):
     assert plain[0]["run_name"] not in section  # only runs an engine served
     served[0].update(served_speedup_se=0.021, served_speedup_low=0.357, served_speedup_high=0.443)
     section = render(_record([served, plain]), tmp_path).split("## Served (llama.cpp)", 1)[1]
-    assert "| 1 / 0 | 0.400 [0.357, 0.443] |" in section  # with its interval over requests, when it was measured
+    assert "| 1 / 0 | 0.400 [0.357, 0.443] | 1 |" in section  # with its interval over requests, when it was measured
+    assert "training-free speculation" not in section  # no n-gram type was served beside it
+    for index, column in enumerate(served_names.NGRAM_COLUMNS):
+        served[0].update({column: 0.9 + index / 10, f"{column}_se": 0.01})
+    section = render(_record([served, plain]), tmp_path).split("## Served (llama.cpp)", 1)[1]
+    peers = section.split("**Beside llama.cpp's training-free speculation.**", 1)[1]
+    assert "| run | draft | `ngram-mod` | `ngram-map-k` | `ngram-cache` | `ngram-simple` |" in peers
+    assert f"| `{served[0]['run_name']}` | 0.400 [0.357, 0.443] | 0.90 ± 0.01 | 1.00 ± 0.01 | 1.10 ± 0.01 |" in peers
     without = render(_record([_run("dflash", 0, 1.10, 1.10, 1.50)]), tmp_path)
     assert "## Served" not in without and "served (llama.cpp)" not in without
 

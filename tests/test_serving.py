@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.serving import metrics as served_names
 from harness.serving.engine import Engine, EngineError, find_engine
 from harness.serving.gguf import STAMP_SUFFIX, gguf_problem, to_gguf
 from harness.serving.server import LlamaServer, free_port, stop_orphans
@@ -630,6 +631,8 @@ def test_each_request_is_timed_alone_before_and_after_the_draft_and_the_speed_up
         def __init__(self, engine, model, log, records, *drafter, **options):
             launches.append(log.name)
             self.speeds = {"server-alone-before.log": 100.0, "server-draft.log": 120.0}.get(log.name, 80.0)
+            if options.get("spec_type", "").startswith("ngram"):
+                self.speeds = 110.0
 
         def __enter__(self):
             return self
@@ -644,11 +647,15 @@ def test_each_request_is_timed_alone_before_and_after_the_draft_and_the_speed_up
     session = Session(None, tmp_path / "servers", tmp_path)
     draft = ServedDraft("run", "dflash", tmp_path / "d.gguf", 3, "dflash")
     with mock.patch.object(servers, "LlamaServer", Scripted):
-        with_draft, alone = served.serve_prompts(
+        with_draft, peers, alone = served.serve_prompts(
             session, tmp_path / "t.gguf", draft, sets, [0.0], SimpleNamespace(max_new_tokens=8, seed=0)
         )
-    assert launches == ["server-alone-before.log", "server-draft.log", "server-alone-after.log"]
+    ngrams = [f"server-{kind}.log" for kind in served_names.NGRAM_TYPES]
+    assert launches == ["server-alone-before.log", "server-draft.log", *ngrams, "server-alone-after.log"]
     assert [c.tokens_per_s for c in alone["chat", 0.0]] == [91.0, 92.0, 93.0]  # (100 + n + 80 + n) / 2
+    # every n-gram type is paired with the same bracketed alone speeds: (110 * 3 + 6) / 276
+    for kind, value in served.peer_metrics(peers, alone).items():
+        assert value == pytest.approx(336 / 276 if not kind.endswith("_se") else 60 / 276 / 276 * 3**0.5), kind
     metrics = served.served_metrics(with_draft, alone, [])
     assert metrics["speedup"] == pytest.approx(366 / 276) and metrics["tokens_per_s_alone"] == pytest.approx(92.0)
     # Each request's influence (draft - R * alone) / sum(alone) = (1 - R) * (-1, 0, +1) / 276, R = 366 / 276; the

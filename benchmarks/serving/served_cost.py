@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="the speed-only serving's rounds")
     page_argument(parser, GROUP, PAGE)
     args = parser.parse_args()
-    page = Page.named(GROUP, args.page or PAGE)
+    page = Page.named(GROUP, args.page or PAGE).titled("Served cost per trial: compared against speed-only serving")
     found = measure(args)
     written = page.add(found)
     print(found.markdown())

@@ -36,7 +36,6 @@ from harness.train import TrainedRun
 from harness.uncertainty import ratio_estimate
 
 GROUP, PAGE = "serving", "SPEEDUP"
-NGRAM_TYPES = ("ngram-mod", "ngram-map-k", "ngram-cache", "ngram-simple")
 CHAT = "chat (held-out)"
 
 
@@ -147,7 +146,7 @@ def measure(args: argparse.Namespace) -> Record:
 
         def drafted(launches: Launches = launches) -> dict[str, dict[str, list[Completion]]]:
             jobs = [(d.label, lambda d=d: launches.serve(log_name(d), d)) for d in drafts]
-            jobs += [(f"`{n}`", lambda n=n: launches.serve(n, spec_type=n)) for n in NGRAM_TYPES]
+            jobs += [(f"`{n}`", lambda n=n: launches.serve(n, spec_type=n)) for n in served_names.NGRAM_TYPES]
             served = {label: serve() for label, serve in (reversed(jobs) if args.reverse else jobs)}
             return {label: served[label] for label, _ in jobs}  # the table's order, whichever ran first
 

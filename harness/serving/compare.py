@@ -33,7 +33,7 @@ from harness.serving import metrics as names
 from harness.serving.draft import ServedDraft, check_servable, served_draft, served_shape
 from harness.serving.engine import Engine
 from harness.serving.gguf import target_gguf
-from harness.serving.server import Completion, Session, check_prompts_fit
+from harness.serving.server import Completion, Session, check_prompts_fit, complete_all
 from harness.serving.speed import serve_speed
 from harness.serving.timing import Passes, bracketed
 from harness.targets import Target
@@ -182,13 +182,13 @@ def serve_and_compare(
     session = Session.of(engine, run.workdir, run.path(SERVED_DIR))
     model = target_gguf(engine, run.workdir, target)  # checked once: each check reads the whole target GGUF
     served_as = served_draft(engine, run, draft, target)
-    served, alone = serve_prompts(session, model, served_as, sets, temperatures, config)
+    served, peers, alone = serve_prompts(session, model, served_as, sets, temperatures, config)
     records = [
         record
         for name, prompts in sets.items()
         for record in compare_requests(target, draft, name, prompts, served, alone, config.max_new_tokens)
     ]
-    metrics = served_metrics(served, alone, records)
+    metrics = served_metrics(served, alone, records) | peer_metrics(peers, alone)
     for temperature in temperatures[1:]:
         metrics.update(harness_sampled(target, draft, sets, temperature, config))
     found = break_even.measure(session, model, served_as, sets[instruction_set(config)], config.max_new_tokens)
@@ -216,9 +216,9 @@ def harness_sampled(target: Target, draft: DFlashDraft, prompt_sets: dict, tempe
 
 def serve_prompts(
     session: Session, model: Path, draft: ServedDraft, prompt_sets: dict, temperatures: list, config
-) -> tuple[Served, Served]:
-    """Every prompt through the target alone, then with the draft at each temperature, then alone again: the
-    alone speeds are bracketed."""
+) -> tuple[Served, dict[str, Served], Served]:
+    """Every prompt through the target alone, then with the draft at each temperature and with each n-gram type at
+    T = 0, then alone again: the alone speeds are bracketed."""
     tokens = config.max_new_tokens
 
     def alone_pass(when: str) -> Served:
@@ -231,7 +231,7 @@ def serve_prompts(
                 for name, prompts in prompt_sets.items()
             }
 
-    def with_draft() -> Served:
+    def with_draft() -> tuple[Served, dict[str, Served]]:
         served: Served = {}
         with session.server(model, "server-draft", draft) as server:
             for (name, prompts), temperature in itertools.product(prompt_sets.items(), temperatures):
@@ -239,10 +239,16 @@ def serve_prompts(
                 served[name, temperature] = [
                     server.complete(p, tokens, temperature, config.seed + i) for i, p in enumerate(bar)
                 ]
-        return served
+        peers = {}
+        for kind in names.NGRAM_TYPES:  # the training-free peers, on the same prompts between the same alone passes
+            with session.server(model, f"server-{kind}", spec_type=kind) as server:
+                found = complete_all(server, prompt_sets, tokens, desc=f"serve {kind}")
+            peers[kind] = {(name, 0.0): completions for name, completions in found.items()}
+        return served, peers
 
     timed = bracketed(alone_pass, with_draft)
-    return timed.drafted, timed.alone
+    served, peers = timed.drafted
+    return served, peers, timed.alone
 
 
 def compare_requests(
@@ -322,6 +328,17 @@ def served_metrics(served: Served, alone: Served, records: list[dict]) -> dict[s
     metrics[names.AGREEMENT_REQUESTS] = agreeing / len(records) if records else nan
     metrics[names.FLIPS_VS_ENGINE] = sum(r["served_tokens_differ_from_engine_alone"] for r in records)
     metrics[names.FLIPS_VS_HARNESS] = sum(r["served_tokens_differ_from_harness_reference"] for r in records)
+    return metrics
+
+
+def peer_metrics(peers: dict[str, Served], alone: Served) -> dict[str, float]:
+    """Each n-gram type's speed-up over the same bracketed alone speeds as the draft's, paired by request."""
+    metrics = {}
+    for kind, served in peers.items():
+        with_peer = [c.tokens_per_s for key in served for c in served[key]]
+        without = [c.tokens_per_s for key in served for c in alone[key]]
+        speedup = ratio_estimate(with_peer, without)
+        metrics[names.ngram_speedup(kind)], metrics[names.se(names.ngram_speedup(kind))] = speedup.value, speedup.se
     return metrics
 
 

@@ -25,6 +25,15 @@ ROUNDS = "speed_rounds"  # fresh launches (drafted and alone) the speed-up is th
 LAUNCH_VARIANCE = "speedup_launch_variance"  # the round speed-ups' sample variance: launch-to-launch noise
 
 
+# llama.cpp's training-free speculation, served beside a run's draft on the same prompts (compare.py, benchmarks).
+NGRAM_TYPES = ("ngram-mod", "ngram-map-k", "ngram-cache", "ngram-simple")
+
+
+def ngram_speedup(kind: str) -> str:
+    """`ngram_mod_speedup`: an n-gram type's speed-up over the same bracketed alone passes as the draft's."""
+    return f"{kind.replace('-', '_')}_{SPEEDUP}"
+
+
 def se(name: str) -> str:
     return f"{name}_se"
 
@@ -59,6 +68,7 @@ SUMMARY = (
     high(BREAK_EVEN),
     BREAK_EVEN_SHORTFALL,
     CYCLE_COST,
+    *(ngram_speedup(kind) for kind in NGRAM_TYPES),
 )
 
 # A study's served objectives: each trial's run served at the end of its training (speed.py), read as this metric.
@@ -79,6 +89,7 @@ AGREEMENT_COLUMN = "served_agreement"
 CYCLES_COLUMN = "served_cycles"
 FLIPS_COLUMN, FLIPS_HARNESS_COLUMN = "served_flips", "served_flips_harness"
 BREAK_EVEN_COLUMN = "served_break_even"
+NGRAM_COLUMNS = {f"served_{ngram_speedup(kind)}": ngram_speedup(kind) for kind in NGRAM_TYPES}
 COLUMNS = {
     GREEDY_COLUMN: ACCEPTED_GREEDY,
     ROUNDS_COLUMN: ROUNDS,
@@ -95,6 +106,7 @@ COLUMNS = {
     BREAK_EVEN_COLUMN: BREAK_EVEN,
     low(BREAK_EVEN_COLUMN): low(BREAK_EVEN),
     high(BREAK_EVEN_COLUMN): high(BREAK_EVEN),
+    **NGRAM_COLUMNS,
 }
 
 # Every name above: none of them is spelled as a literal outside this package (tests/test_serving_package.py).
