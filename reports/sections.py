@@ -114,7 +114,7 @@ def header(record: StudyRecord, configs: list[Configuration]) -> str:
         "",
         f"- **Target:** {target}",
         f"- **Data:** {data}",
-        f"- **Objective:** {params.get('study.objectives', '–')} on the final validation; "
+        f"- **Objective:** {objective_text(params.get('study.objectives', ''))}; "
         f"sampler {params.get('study.sampler', '–')}, pruner {params.get('study.pruner', '–')}, "
         f"{budget_text(record)}, seeds {params.get('study.seeds', '–')}",
         f"- **Validation:** {validation}",
@@ -615,6 +615,17 @@ def leaderboard_frame(configs: list[Configuration]) -> pd.DataFrame:
 def _resolved_gain(config: Configuration) -> bool:
     gain = difference(config, REALIZED_ACCEPTED_LENGTH, config, UNARY_ACCEPTED_LENGTH)
     return gain.excludes_zero and gain.value > 0
+
+
+def objective_text(objectives: str) -> str:
+    """Each objective and where it is measured: the final validation, or the run served by llama.cpp."""
+    if not objectives:
+        return "–"
+    served = set(served_names.OBJECTIVES)
+    return ", ".join(
+        f"{o} ({'served by llama.cpp at the end of the run' if o in served else 'on the final validation'})"
+        for o in objectives.split(",")
+    )
 
 
 def served_section(record: StudyRecord) -> str | None:

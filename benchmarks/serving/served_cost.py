@@ -42,7 +42,6 @@ def measure(args: argparse.Namespace) -> Record:
         num_prompts=args.num_prompts,
         max_new_tokens=args.max_new_tokens,
         temperatures=(0.0,),
-        served_rounds=args.rounds,
     )
     model = target_gguf(engine, run.workdir, target)  # both converted before anything is timed
     served_as = served_draft(engine, run, draft, target)
@@ -51,11 +50,13 @@ def measure(args: argparse.Namespace) -> Record:
     compared, _ = serve_and_compare(engine, run, target, draft, documents, config)
     compared_s = time.perf_counter() - started
 
-    started = time.perf_counter()
     session = Session.of(engine, run.workdir, run.path(SERVED_DIR))
     sets = prompt_sets(target.tokenizer, documents, config)
-    speed = serve_speed(session, model, served_as, sets, config.max_new_tokens, config.served_rounds).metrics()
-    speed_s = time.perf_counter() - started
+    speed, speed_s = {}, {}
+    for rounds in args.rounds:
+        started = time.perf_counter()
+        speed[rounds] = serve_speed(session, model, served_as, sets, config.max_new_tokens, rounds).metrics()
+        speed_s[rounds] = time.perf_counter() - started
 
     requests = sum(len(prompts) for prompts in sets.values())
     speedup, se = served_names.SPEEDUP, served_names.se(served_names.SPEEDUP)
@@ -65,32 +66,39 @@ def measure(args: argparse.Namespace) -> Record:
             f"{compared_s:.0f}",
             "1.00",
             f"{compared[speedup]:.3f} ± {compared[se]:.3f} (over requests, one launch)",
-            "harness decode, cycle comparison, break-even, alone before and after",
-        ],
-        [
-            f"speed only, {args.rounds} rounds (a served objective)",
-            f"{speed_s:.0f}",
-            f"{speed_s / compared_s:.2f}",
-            f"{speed[speedup]:.3f} ± {speed[se]:.3f} (over rounds: launch noise inside)",
-            f"{2 * args.rounds} launches: with the draft and without, alternating which goes first",
-        ],
+            "harness decode, cycle comparison, break-even, n-gram types, alone before and after",
+        ]
     ]
+    for rounds in args.rounds:
+        several = rounds > 1
+        interval = "over rounds: launch noise inside" if several else "one launch: launch noise only between runs"
+        error = f" ± {speed[rounds][se]:.3f}" if several else ""
+        alternating = ", alternating which goes first" if several else ""
+        rows.append(
+            [
+                f"speed only, {rounds} round{'s' * (rounds > 1)} (a served objective)",
+                f"{speed_s[rounds]:.0f}",
+                f"{speed_s[rounds] / compared_s:.2f}",
+                f"{speed[rounds][speedup]:.3f}{error} ({interval})",
+                f"{2 * rounds} launches: with the draft and without{alternating}",
+            ]
+        )
     title = f"Served cost per trial: run `{run.name}`, {requests} prompts, {args.max_new_tokens} new tokens, T = 0"
     about = (
         f"One trained run served both ways on the same {requests} prompts (MT-bench first turns and held-out chat, "
-        f"{args.num_prompts} of each), {args.max_new_tokens} new tokens at T = 0, the compared serving first. Wall "
-        "seconds from the served draft's GGUF on (both converted beforehand)."
+        f"{args.num_prompts} of each), {args.max_new_tokens} new tokens at T = 0, the compared serving first, then one "
+        "speed-only serving per round count. Wall seconds from the served draft's GGUF on (both converted "
+        "beforehand)."
     )
     values = {
         "run": run.name,
         "requests": requests,
         "max_new_tokens": args.max_new_tokens,
-        "rounds": args.rounds,
         "compared_s": compared_s,
-        "speed_only_s": speed_s,
-        "ratio": speed_s / compared_s,
+        "speed_only_s": {str(r): t for r, t in speed_s.items()},
+        "ratio": {str(r): t / compared_s for r, t in speed_s.items()},
         "compared": {k: v for k, v in compared.items() if isinstance(v, float | int)},
-        "speed_only": speed,
+        "speed_only": {str(r): m for r, m in speed.items()},
     }
     table = Table(["serving", "wall s", "of compared", "speed-up ± SE", "what it runs"], rows)
     return Record(title, [about, table], values, Provenance.now(engine=engine.commit))
@@ -102,7 +110,9 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("work"))
     parser.add_argument("--num-prompts", type=int, default=6, help="MT-bench first turns, and as many chat prompts")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=2, help="the speed-only serving's rounds")
+    parser.add_argument(
+        "--rounds", type=int, nargs="+", default=[1, 2], help="the speed-only serving's rounds, one serving each"
+    )
     page_argument(parser, GROUP, PAGE)
     args = parser.parse_args()
     page = Page.named(GROUP, args.page or PAGE).titled("Served cost per trial: compared against speed-only serving")
