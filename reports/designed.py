@@ -14,7 +14,7 @@ from harness.uncertainty import Estimate, mean_estimate, t_interval, unpaired_di
 from harness.validation import SUBSET_ROWS
 from reports.analysis import RecordedDesign, ServedFit, StudyAnalysis, run_value
 from reports.collect import StudyRecord
-from reports.effects import ARM, RESOLVED, Effect, Fit
+from reports.effects import ARM, BOUNDED, RESOLVED, Effect, Fit
 from reports.markdown import plain_table
 
 LAST_PART = 1 / 3  # the learning-curve gain is measured over the last third of training
@@ -128,8 +128,8 @@ def served_effects(served: ServedFit, offline: Fit, reference: str) -> tuple[str
     rows = [
         [
             term_label(e.term, reference),
-            offline_by_term[e.term].text() if e.term in offline_by_term else "–",
-            e.text(),
+            effect_cell(offline_by_term[e.term]) if e.term in offline_by_term else "–",
+            effect_cell(e),
             agreement(offline_by_term.get(e.term), e),
         ]
         for e in fit.effects
@@ -141,6 +141,12 @@ def served_effects(served: ServedFit, offline: Fit, reference: str) -> tuple[str
         for e in fit.effects
     ]
     return f"{title}\n\n{noise}\n\n{table}", lines
+
+
+def effect_cell(effect: Effect) -> str:
+    """An effect's estimate, interval and label in a table cell (no `|`)."""
+    bound = f" (< {effect.bound:.3f})" if effect.label == BOUNDED and effect.bound > 0 else ""
+    return f"{effect.estimate.text(signed=True)}: {effect.label}{bound}"
 
 
 def agreement(offline: Effect | None, served: Effect) -> str:

@@ -22,7 +22,7 @@ from harness import tracking
 from harness.serving import metrics as served_names
 from reports.analysis import analyse
 from reports.collect import collect
-from reports.designed import agreement
+from reports.designed import agreement, effect_cell
 
 GROUP, PAGE, STUDY = "studies", "COMPONENTS_SERVED", "components-served"
 
@@ -37,7 +37,10 @@ def measure(args: argparse.Namespace) -> Record:
     if not served.effects:
         raise SystemExit(f"error: no served effect is estimable yet: {served.note}")
     by_term = {e.term: e for e in offline.effects}
-    rows = [[f"`{e.term}`", by_term[e.term].text() if e.term in by_term else "–", e.text()] for e in served.effects]
+    rows = [
+        [f"`{e.term}`", effect_cell(by_term[e.term]) if e.term in by_term else "–", effect_cell(e)]
+        for e in served.effects
+    ]
     rows = [[*row, agreement(by_term.get(e.term), e)] for row, e in zip(rows, served.effects, strict=True)]
     arms = {}
     for unit in design.served.fit.units:
