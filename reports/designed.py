@@ -130,11 +130,13 @@ def served_effects(served: ServedFit, offline: Fit, reference: str) -> tuple[str
             term_label(e.term, reference),
             effect_cell(offline_by_term[e.term]) if e.term in offline_by_term else "–",
             effect_cell(e),
+            f"{e.detectable:.3f}",
             agreement(offline_by_term.get(e.term), e),
         ]
         for e in fit.effects
     ]
-    table = plain_table(["effect", "offline realized accepted length", f"`{served.response}`", "reading"], rows)
+    headers = ["effect", "offline realized accepted length", f"`{served.response}`", "detectable", "reading"]
+    table = plain_table(headers, rows)
     lines = [
         f"- {term_label(e.term, reference)} on `{served.response}`: {e.text()} ({dof_text(e, fit)}, launch and seed "
         f"noise inside); {agreement(offline_by_term.get(e.term), e)}."

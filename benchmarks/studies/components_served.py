@@ -41,7 +41,10 @@ def measure(args: argparse.Namespace) -> Record:
         [f"`{e.term}`", effect_cell(by_term[e.term]) if e.term in by_term else "–", effect_cell(e)]
         for e in served.effects
     ]
-    rows = [[*row, agreement(by_term.get(e.term), e)] for row, e in zip(rows, served.effects, strict=True)]
+    rows = [
+        [*row, f"{e.detectable:.3f}", agreement(by_term.get(e.term), e)]
+        for row, e in zip(rows, served.effects, strict=True)
+    ]
     arms = {}
     for unit in design.served.fit.units:
         arms.setdefault(json.dumps(unit.point, sort_keys=True), []).append(unit.value)
@@ -75,6 +78,7 @@ def measure(args: argparse.Namespace) -> Record:
         "effects": {
             e.term: {
                 "served": [e.estimate.value, e.estimate.low, e.estimate.high, e.label],
+                "served_detectable": e.detectable,
                 "offline": [getattr(by_term[e.term].estimate, k) for k in ("value", "low", "high")],
             }
             for e in served.effects
@@ -82,7 +86,8 @@ def measure(args: argparse.Namespace) -> Record:
         },
         "arms": {point: values for point, values in arms.items()},
     }
-    effects = Table(["effect (high − low)", "offline realized", f"`{served_names.OBJECTIVE_SPEEDUP}`", "reading"], rows)
+    response = f"`{served_names.OBJECTIVE_SPEEDUP}`"
+    effects = Table(["effect (high − low)", "offline realized", response, "detectable", "reading"], rows)
     arm_table = Table(["point", "realized (mean)", "served speed-up (mean)", "runs"], arm_rows)
     title = f"`{args.study}` at {', '.join(map(str, steps))} steps"
     return Record(title, [about, effects, arm_table], values, Provenance.now())
