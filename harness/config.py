@@ -146,6 +146,8 @@ class EvalConfig:
     seed: int = 0
     # A study's served objective serves each run in this many rounds of fresh launches (harness/serving/speed.py).
     served_rounds: int = 2
+    # The compared serving also serves llama.cpp's n-gram types on the same prompts (four more launches and passes).
+    ngram_peers: bool = False
     # A member with a confidence head (DSpark) sends the target only the draft prefix whose predicted
     # cumulative acceptance stays at or above this; 0 verifies every member's whole block, like for like.
     confidence_threshold: float = 0.0

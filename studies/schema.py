@@ -218,6 +218,10 @@ class EvaluateSection(Section):
         description="a served objective's rounds per run: each a fresh launch with the draft and one without, so "
         "that launch-to-launch noise is inside the run's interval (2 or more measure it)",
     )
+    ngram_peers: bool = Field(
+        EvalConfig().ngram_peers,
+        description="the serving step also serves llama.cpp's n-gram types on the same prompts, beside each run",
+    )
     serve: Literal["llama.cpp"] | None = Field(
         None,
         description="at the end, serve the best run and the reference arm's first run in this engine on the "
@@ -478,6 +482,7 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
             confidence_threshold=evaluate.confidence_threshold,
             prompts=evaluate.prompts,
             served_rounds=evaluate.served_rounds,
+            ngram_peers=evaluate.ngram_peers,
         ),
         nproc_per_node=nproc_per_node,
         design=design,

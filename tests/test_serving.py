@@ -647,9 +647,8 @@ def test_each_request_is_timed_alone_before_and_after_the_draft_and_the_speed_up
     session = Session(None, tmp_path / "servers", tmp_path)
     draft = ServedDraft("run", "dflash", tmp_path / "d.gguf", 3, "dflash")
     with mock.patch.object(servers, "LlamaServer", Scripted):
-        with_draft, peers, alone = served.serve_prompts(
-            session, tmp_path / "t.gguf", draft, sets, [0.0], SimpleNamespace(max_new_tokens=8, seed=0)
-        )
+        config = SimpleNamespace(max_new_tokens=8, seed=0, ngram_peers=True)
+        with_draft, peers, alone = served.serve_prompts(session, tmp_path / "t.gguf", draft, sets, [0.0], config)
     ngrams = [f"server-{kind}.log" for kind in served_names.NGRAM_TYPES]
     assert launches == ["server-alone-before.log", "server-draft.log", *ngrams, "server-alone-after.log"]
     assert [c.tokens_per_s for c in alone["chat", 0.0]] == [91.0, 92.0, 93.0]  # (100 + n + 80 + n) / 2

@@ -217,8 +217,8 @@ def harness_sampled(target: Target, draft: DFlashDraft, prompt_sets: dict, tempe
 def serve_prompts(
     session: Session, model: Path, draft: ServedDraft, prompt_sets: dict, temperatures: list, config
 ) -> tuple[Served, dict[str, Served], Served]:
-    """Every prompt through the target alone, then with the draft at each temperature and with each n-gram type at
-    T = 0, then alone again: the alone speeds are bracketed."""
+    """Every prompt through the target alone, then with the draft at each temperature and (`ngram_peers`) with each
+    n-gram type at T = 0, then alone again: the alone speeds are bracketed."""
     tokens = config.max_new_tokens
 
     def alone_pass(when: str) -> Served:
@@ -240,7 +240,8 @@ def serve_prompts(
                     server.complete(p, tokens, temperature, config.seed + i) for i, p in enumerate(bar)
                 ]
         peers = {}
-        for kind in names.NGRAM_TYPES:  # the training-free peers, on the same prompts between the same alone passes
+        kinds = names.NGRAM_TYPES if config.ngram_peers else ()
+        for kind in kinds:  # the training-free peers, on the same prompts between the same alone passes
             with session.server(model, f"server-{kind}", spec_type=kind) as server:
                 found = complete_all(server, prompt_sets, tokens, desc=f"serve {kind}")
             peers[kind] = {(name, 0.0): completions for name, completions in found.items()}
