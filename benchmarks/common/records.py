@@ -150,6 +150,13 @@ class Page:
         self.path.write_text(self.render())
         return path
 
+    def publish(self, record: Record) -> Path:
+        """`add`, and say on the terminal what was recorded and where the page is."""
+        written = self.add(record)
+        print(record.markdown())
+        print(f"recorded {written}; rendered {self.path}")
+        return written
+
 
 def pages() -> list[Page]:
     """Every page that has records."""

@@ -149,9 +149,7 @@ def main() -> None:
         Provenance.now(engine=find_engine().commit),
     )
     page = Page.named(GROUP, args.page or PAGE)
-    written = page.add(found)
-    print(found.markdown())
-    print(f"recorded {written}; rendered {page.path}")
+    page.publish(found)
 
 
 if __name__ == "__main__":

@@ -280,9 +280,7 @@ def main() -> None:
     found, points = measure(args)
     plot(points, args.plot)
     page = Page.named(GROUP, PAGE)
-    written = page.add(found)
-    print(found.markdown())
-    print(f"recorded {written}; rendered {page.path}")
+    page.publish(found)
 
 
 if __name__ == "__main__":

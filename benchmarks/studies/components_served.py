@@ -102,9 +102,7 @@ def main() -> None:
     args = parser.parse_args()
     page = Page.named(GROUP, args.page or PAGE).titled("The DFlash2 components served: do they pay for their cost?")
     found = measure(args)
-    written = page.add(found)
-    print(found.markdown())
-    print(f"recorded {written}; rendered {page.path}")
+    page.publish(found)
 
 
 if __name__ == "__main__":
