@@ -421,7 +421,7 @@ def evaluate_served(engine, run, workspace, draft, eval_config) -> int:
     from harness.serving.compare import serve_run
 
     metrics = serve_run(engine, run, workspace.target, draft, workspace.data.validation, eval_config)
-    for name in served_names.SUMMARY:
+    for name in (name for name in served_names.SUMMARY if name in metrics):  # the n-gram types are opt-in
         print(f"{served_names.PREFIX}{name}: {metrics[name]:.4f}")
     print(served_verdict(metrics))
     print(f"llama.cpp {engine.commit[:9]}; per-request records in {run.path(SERVED_RECORDS_FILE)}")

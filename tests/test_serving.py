@@ -205,6 +205,21 @@ def test_the_served_log_line_pattern_reads_the_real_servers_lines():
     assert (found["task"], found["accepted"], found["drafted"]) == ("12", "3", "7")
 
 
+@pytest.mark.parametrize(
+    ("budget", "threads"), [("1", 1), ("3", 3), ("", os.cpu_count() or 1), ("zero", os.cpu_count() or 1)]
+)
+def test_a_server_computes_on_the_callers_thread_budget_and_names_every_thread_count(budget, threads, monkeypatch):
+    """Two servers of two spinning threads on two cores decoded 4x slower (benchmarks/serving/THREADS.md), so
+    `OMP_NUM_THREADS` caps a server's threads; the target's and the draft's batch counts are spelled out too."""
+    monkeypatch.setenv("OMP_NUM_THREADS", budget)
+    engine = Engine(root=Path("llama.cpp"))
+    command = LlamaServer(engine, Path("t.gguf"), Path("log"), Path("records"), draft=Path("d.gguf")).command()
+    flags = {flag: command[command.index(flag) + 1] for flag in ("-t", "-tb", "-td", "-tbd")}
+    assert flags == dict.fromkeys(flags, str(threads))
+    alone = LlamaServer(engine, Path("t.gguf"), Path("log"), Path("records")).command()
+    assert "-td" not in alone and alone[alone.index("-tb") + 1] == str(threads)
+
+
 # ---- the served path under kills and bad files (docs/faults.md, "The serving engine") ----------------------
 
 

@@ -114,6 +114,15 @@ def stop_orphans(records: Path) -> list[int]:
     return stopped
 
 
+def thread_budget() -> int:
+    """The threads a server computes on: `OMP_NUM_THREADS` where the caller set one (pytest's workers and the
+    commands they start take one each), else every core. llama.cpp's threads spin at each operation's barrier: two
+    servers of two threads each on two cores decoded at 0.23 of one such server alone, two of one thread at 0.88
+    (benchmarks/serving/THREADS.md)."""
+    budget = os.environ.get("OMP_NUM_THREADS", "")
+    return int(budget) if budget.isdigit() and int(budget) > 0 else max(1, os.cpu_count() or 1)
+
+
 class LlamaServer:
     """`llama-server` on loopback with a bounded start-up, stopped on leaving the block (Ctrl-C and SIGTERM
     included) and killed by the kernel if the process that started it dies; with a draft it drafts the whole block
@@ -145,7 +154,7 @@ class LlamaServer:
         self.synthetic_length = synthetic_length
         self.slots, self.context = slots, context  # parallel sequences (continuous batching), their total context
         self.draft_tokens, self.spec_type = draft_tokens, spec_type
-        self.threads = threads or max(1, os.cpu_count() or 1)
+        self.threads = threads or thread_budget()
         self.port = port
         self.process: subprocess.Popen | None = None
 
@@ -155,12 +164,14 @@ class LlamaServer:
 
     def command(self) -> list[str]:
         command = [str(self.engine.server), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port)]
-        command += ["-np", str(self.slots), "-c", str(self.context), "-t", str(self.threads), "--no-webui"]
+        command += ["-np", str(self.slots), "-c", str(self.context), "--no-webui"]
+        # Every thread count spelled out: a default can fall to 1 on a two-vCPU machine
+        command += ["-t", str(self.threads), "-tb", str(self.threads)]
         # No prompt cache in RAM (8 GiB by default): every request here is a new prompt, and a regeneration's
         # thousands of them grew the server to 7.5 GiB on a 24 GiB machine
         command += ["--cache-ram", "0"]
         if self.draft is not None:
-            command += ["-md", str(self.draft)]
+            command += ["-md", str(self.draft), "-td", str(self.threads), "-tbd", str(self.threads)]
         if self.spec_type is not None:  # a draft model's type, or a training-free one (ngram-mod, ...) alone
             command += ["--spec-type", self.spec_type]
         if self.draft_tokens:
