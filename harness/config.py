@@ -144,8 +144,10 @@ class EvalConfig:
     max_new_tokens: int = 128
     temperatures: tuple[float, ...] = (0.0, 1.0)
     seed: int = 0
-    # A study's served objective serves each run in this many rounds of fresh launches (harness/serving/speed.py).
-    served_rounds: int = 2
+    # A study's served objective serves each run in this many rounds of fresh launches (harness/serving/speed.py):
+    # one costs a quarter of a compared serving (benchmarks/serving/SERVED_COST.md) and leaves launch and seed noise
+    # together in a design's residual; two or more also measure the launch noise on its own.
+    served_rounds: int = 1
     # The compared serving also serves llama.cpp's n-gram types on the same prompts (four more launches and passes).
     ngram_peers: bool = False
     # A member with a confidence head (DSpark) sends the target only the draft prefix whose predicted

@@ -119,10 +119,14 @@ def served_effects(served: ServedFit, offline: Fit, reference: str) -> tuple[str
             f"are inside the intervals ({fit.residual_dof} residual df)."
         )
     else:
+        own = (
+            "Every run was served in one round, a fresh server launch with the draft and one without"
+            if served.response == served_names.OBJECTIVE_SPEEDUP
+            else "A run's standard error is its own over requests"
+        )
         noise = (
-            f"A run's standard error is its own over requests; launch-to-launch noise is not measured within runs "
-            f"(one round each) and sits, with the seeds' noise (τ = {math.sqrt(fit.tau2):.3f}), in the residual "
-            f"({fit.residual_dof} df)."
+            f"{own}; launch-to-launch noise is not measured within runs and sits, with the seeds' noise "
+            f"(τ = {math.sqrt(fit.tau2):.3f}), in the residual ({fit.residual_dof} df)."
         )
     offline_by_term = {e.term: e for e in offline.effects}
     rows = [

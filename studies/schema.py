@@ -216,7 +216,8 @@ class EvaluateSection(Section):
         EvalConfig().served_rounds,
         ge=1,
         description="a served objective's rounds per run: each a fresh launch with the draft and one without, so "
-        "that launch-to-launch noise is inside the run's interval (2 or more measure it)",
+        "every run is served in its own launches (1: launch and seed noise together in a design's residual; 2 or more "
+        "also measure the launch noise)",
     )
     ngram_peers: bool = Field(
         EvalConfig().ngram_peers,

@@ -50,9 +50,9 @@ def simulated_study(rng: np.random.Generator, seeds: int, rounds: int, seed_sd: 
                     "design_point": json.dumps(point),
                     "baseline": "",
                     SPEEDUP: speedups.mean(),
-                    f"{SPEEDUP}_se": speedups.std(ddof=1) / math.sqrt(rounds),
+                    f"{SPEEDUP}_se": speedups.std(ddof=1) / math.sqrt(rounds) if rounds > 1 else float("nan"),
                     ROUNDS: rounds,
-                    VARIANCE: speedups.var(ddof=1),
+                    VARIANCE: speedups.var(ddof=1) if rounds > 1 else float("nan"),
                 }
             )
     runs = pd.DataFrame(rows)
@@ -62,14 +62,14 @@ def simulated_study(rng: np.random.Generator, seeds: int, rounds: int, seed_sd: 
 RECORDED = RecordedDesign(DESIGN, 0.05, "true", "", [], DESIGN, {})
 
 
-def coverage(seed_sd: float, launch_sd: float, simulations: int = 300) -> tuple[float, float, float]:
+def coverage(seed_sd: float, launch_sd: float, rounds: int = 2, simulations: int = 300) -> tuple[float, float, float]:
     """(covered fraction of the fitted intervals, of intervals that take the launch noise as the only noise, the
     mean pooled launch sd)."""
     rng = np.random.default_rng(20261206)
     covered = naive_covered = total = 0
     pooled = []
     for _ in range(simulations):
-        record = simulated_study(rng, seeds=2, rounds=2, seed_sd=seed_sd, launch_sd=launch_sd)
+        record = simulated_study(rng, seeds=2, rounds=rounds, seed_sd=seed_sd, launch_sd=launch_sd)
         units, noise = served_units(record, RECORDED, SPEEDUP)
         pooled.append(noise.sd)
         fit = fit_design(DESIGN, units, margin=0.05, interactions=True)
@@ -89,6 +89,13 @@ def test_served_effects_cover_the_truth_with_seed_and_launch_noise(seed_sd, laun
     found, _, pooled = coverage(seed_sd, launch_sd)
     assert 0.92 <= found <= 0.98, found
     assert pooled == pytest.approx(launch_sd, rel=0.1)
+
+
+def test_one_round_per_run_still_covers_the_truth_with_launch_and_seed_noise_in_the_residual():
+    """The default, one round per run: no run has a launch variance of its own, but each is served in its own
+    launches, so the residual around the fitted effects holds launch and seed noise together and still covers."""
+    found, _, pooled = coverage(seed_sd=0.03, launch_sd=0.04, rounds=1)
+    assert 0.92 <= found <= 0.98 and math.isnan(pooled), (found, pooled)
 
 
 def test_intervals_that_leave_out_the_seed_noise_would_fail_the_same_check():
@@ -112,3 +119,21 @@ def test_without_rounds_a_run_keeps_its_own_standard_error():
     units, noise = served_units(record, RECORDED, SPEEDUP)
     assert math.isnan(noise.sd) and noise.dof == 0
     assert [u.se for u in units] == pytest.approx(list(record.runs[f"{SPEEDUP}_se"]))
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_the_served_effects_section_says_where_the_launch_noise_sits(rounds):
+    """Two rounds or more: each run's standard error is the pooled launch sd; one round: launch and seed noise are
+    in the residual together. Either way every term gets a row beside its offline effect."""
+    from reports.analysis import BudgetFit, ServedFit
+    from reports.designed import served_effects
+
+    record = simulated_study(np.random.default_rng(rounds), seeds=2, rounds=rounds, seed_sd=0.03, launch_sd=0.04)
+    units, noise = served_units(record, RECORDED, SPEEDUP)
+    fit = fit_design(DESIGN, units, margin=0.05, interactions=True)
+    served = ServedFit(SPEEDUP, BudgetFit(None, units, fit, True, 0.0), noise)
+    text, lines = served_effects(served, fit, "")
+    pooled = f"the launch-to-launch sd pooled over 8 runs (8 df), {noise.sd:.3f}" if rounds > 1 else ""
+    one_round = "served in one round, a fresh server launch with the draft and one without; launch-to-launch noise"
+    assert (pooled in text and one_round not in text) if rounds > 1 else (one_round in text), text
+    assert len(lines) == 3 and all("launch and seed noise inside" in line for line in lines), lines

@@ -21,8 +21,6 @@ from harness.serving.server import Completion, Session
 from harness.serving.timing import Passes, mean_speed
 from harness.uncertainty import mean_estimate
 
-DEFAULT_ROUNDS = 2  # the fewest that measure launch-to-launch noise within a run
-
 
 @dataclass(frozen=True)
 class SpeedRound:
@@ -92,7 +90,7 @@ def serve_speed(
     draft: ServedDraft,
     prompt_sets: dict[str, list[list[int]]],
     n_predict: int,
-    rounds: int = DEFAULT_ROUNDS,
+    rounds: int,
 ) -> ServedSpeed:
     """`rounds` rounds of a drafted and an alone pass over every prompt set, each pass its own server launch."""
 
