@@ -148,6 +148,10 @@ class EvalConfig:
     # one costs a quarter of a compared serving (benchmarks/serving/SERVED_COST.md) and leaves launch and seed noise
     # together in a design's residual; two or more also measure the launch noise on its own.
     served_rounds: int = 1
+    # A served objective serves the draft over the this-many tokens its training replies use most (its own head and
+    # a d2t map, FR-Spec): 0.88x against 0.62x with the whole vocabulary (benchmarks/serving/SPEEDUP.md); None: the
+    # whole vocabulary. The compared serving keeps the whole one, which the harness's decode proposes from.
+    served_vocabulary: int | None = None
     # The compared serving also serves llama.cpp's n-gram types on the same prompts (four more launches and passes).
     ngram_peers: bool = False
     # A member with a confidence head (DSpark) sends the target only the draft prefix whose predicted

@@ -479,8 +479,10 @@ class StudyRunner:
         draft = trained.draft(self.workspace.target, self.device)
         print(f"[serve] {name}: {why}", flush=True)
         evaluation, documents = self.definition.evaluation, self.workspace.data.validation
-        serve = serve_speed_run if speed_only else serve_run
-        return serve(find_engine(), run, self.workspace.target, draft, documents, evaluation)
+        if speed_only:
+            replies = self.workspace.data.train  # a reduced draft vocabulary's tokens: those its replies use most
+            return serve_speed_run(find_engine(), run, self.workspace.target, draft, documents, evaluation, replies)
+        return serve_run(find_engine(), run, self.workspace.target, draft, documents, evaluation)
 
     def _await_trunk(self, trial: optuna.Trial, params: dict) -> int:
         """The trial whose runs a branch trial anneals (its point at the longest budget; a retry's runs carry the

@@ -219,6 +219,12 @@ class EvaluateSection(Section):
         "every run is served in its own launches (1: launch and seed noise together in a design's residual; 2 or more "
         "also measure the launch noise)",
     )
+    served_vocabulary: int | None = Field(
+        EvalConfig().served_vocabulary,
+        ge=2,
+        description="a served objective serves each run's draft over this many tokens, those its training replies "
+        "use most (its own head and a d2t map); null: the whole vocabulary",
+    )
     ngram_peers: bool = Field(
         EvalConfig().ngram_peers,
         description="the serving step also serves llama.cpp's n-gram types on the same prompts, beside each run",
@@ -440,6 +446,13 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
             file.objective,
             "a served objective with evaluate.serve: llama.cpp (the engine it is served in)",
         )
+    if file.evaluate.served_vocabulary is not None and not any(o in served_names.OBJECTIVES for o in objectives):
+        raise _fail(
+            path,
+            "evaluate.served_vocabulary",
+            file.evaluate.served_vocabulary,
+            f"null without a served objective {sorted(served_names.OBJECTIVES)} (only its serving drafts over it)",
+        )
     budget = file.budget
     steps = budget.steps_per_trial if budget.steps_per_trial is not None else run.train.max_steps
     budgets = _budgets(path, file, steps, design, run.train)
@@ -483,6 +496,7 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
             confidence_threshold=evaluate.confidence_threshold,
             prompts=evaluate.prompts,
             served_rounds=evaluate.served_rounds,
+            served_vocabulary=evaluate.served_vocabulary,
             ngram_peers=evaluate.ngram_peers,
         ),
         nproc_per_node=nproc_per_node,

@@ -198,3 +198,16 @@ def test_a_bad_member_design_is_refused_in_one_line(field, value, message):
     with pytest.raises(StudyDefinitionError) as error:
         parse_study(_set(FAMILY, field, value), "family.yaml")
     assert message in str(error.value) and "\n" not in str(error.value), str(error.value)
+
+
+def test_a_reduced_served_vocabulary_needs_a_served_objective_and_at_least_two_tokens():
+    served = _set(
+        _set(SEARCH, "objective", "served_speedup"), "evaluate", {"serve": "llama.cpp", "served_vocabulary": 4096}
+    )
+    assert parse_study(served, "search.yaml").evaluation.served_vocabulary == 4096
+    with pytest.raises(
+        StudyDefinitionError, match=r"invalid field evaluate.served_vocabulary=4096: allowed null without"
+    ):
+        parse_study(_set(SEARCH, "evaluate", {"serve": "llama.cpp", "served_vocabulary": 4096}), "search.yaml")
+    with pytest.raises(StudyDefinitionError, match=r"invalid field evaluate.served_vocabulary=1: allowed"):
+        parse_study(_set(served, "evaluate.served_vocabulary", 1), "search.yaml")

@@ -23,7 +23,7 @@ import reports.analysis
 from harness import tracking
 from harness.design import TRANSFER_MEANINGS
 from harness.devices import computes_in
-from harness.run import SERVED_RECORDS_FILE
+from harness.run import DRAFT_GGUF_FILE, SERVED_DIR, SERVED_RECORDS_FILE
 from harness.serving import metrics as served_names
 from reports.build import build_report_with_summary
 from reports.sections import GENERATED_PREFIX
@@ -765,10 +765,12 @@ def test_a_design_served_for_its_objective_fits_effects_on_the_served_speed_up(e
     served as DFlash2 with the identity conv): each run is served for
     its speed alone in two rounds of fresh launches (no harness decode, no cycle comparison), the trial's value is
     its runs' mean speed-up, and the report fits the conv effect on the served speed-up beside the offline one,
-    with the pooled launch noise; a relaunch serves nothing again."""
+    with the pooled launch noise; each draft proposes from the 256 tokens its replies use most (`served_vocabulary`,
+    a d2t map); a relaunch serves nothing again."""
     text = DESIGN.read_text().replace("name: tiny-design", "name: served-design")
     text = text.replace("objective: realized_accepted_length", "objective: served_speedup")
-    text += "evaluate: {serve: llama.cpp, num_prompts: 1, max_new_tokens: 16, temperatures: [0], served_rounds: 2}\n"
+    text += "evaluate: {serve: llama.cpp, num_prompts: 1, max_new_tokens: 16, temperatures: [0], served_rounds: 2, "
+    text += "served_vocabulary: 256}\n"
     study_file = tmp_path / "served-design.yaml"
     study_file.write_text(text)
     done = _launch(study_file, e2e_workdir, cwd=tmp_path)
@@ -787,6 +789,10 @@ def test_a_design_served_for_its_objective_fits_effects_on_the_served_speed_up(e
         assert metrics[f"{served_names.PREFIX}{served_names.ROUNDS}"] == 2 and metrics[speedup] > 0
         assert f"{served_names.PREFIX}{served_names.LAUNCH_VARIANCE}" in metrics
         assert f"{served_names.PREFIX}{served_names.AGREEMENT_CYCLES}" not in metrics  # no cycle comparison
+        assert metrics[f"{served_names.PREFIX}{served_names.VOCABULARY}"] == 256
+        assert (
+            e2e_workdir / "runs" / run.info.run_name / SERVED_DIR / f"{Path(DRAFT_GGUF_FILE).stem}-vocab256.gguf"
+        ).is_file()
         records = json.loads((e2e_workdir / "runs" / run.info.run_name / SERVED_RECORDS_FILE).read_text())
         assert [r["drafted_first"] for r in records] == [False, True]  # the rounds alternate which pass goes first
         assert statistics.fmean(r["speedup"] for r in records) == pytest.approx(metrics[speedup])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,13 +24,14 @@ from tqdm.auto import tqdm
 from algorithms.dflash import DFlashDraft
 from harness import devices, tracking
 from harness.config import EvalConfig
+from harness.data import Document
 from harness.decode import speculative_generate, target_greedy
 from harness.evaluate import instruction_set, prompt_sets, temperature_tag
 from harness.files import atomic_write, file_lock
 from harness.run import DRAFT_GGUF_FILE, SERVED_DIR, SERVED_RECORDS_FILE, SERVING_LOCK_FILE, Run
 from harness.serving import break_even
 from harness.serving import metrics as names
-from harness.serving.draft import ServedDraft, check_servable, served_draft, served_shape
+from harness.serving.draft import ServedDraft, check_servable, reduced_draft, served_draft, served_shape
 from harness.serving.engine import Engine
 from harness.serving.gguf import target_gguf
 from harness.serving.server import Completion, Session, check_prompts_fit, complete_all
@@ -154,10 +155,17 @@ def serve_run(
 
 
 def serve_speed_run(
-    engine: Engine, run: Run, target: Target, draft: DFlashDraft, chat_documents, config: EvalConfig
+    engine: Engine,
+    run: Run,
+    target: Target,
+    draft: DFlashDraft,
+    chat_documents,
+    config: EvalConfig,
+    replies: Sequence[Document] = (),
 ) -> dict[str, float]:
     """Serve one run's draft for its speed alone (speed.py: rounds of fresh launches, no harness decode) and log
-    it: what a study's served objective costs per trial."""
+    it: what a study's served objective costs per trial. With `config.served_vocabulary` the draft proposes from the
+    tokens its training `replies` use most."""
     check_servable(draft)
     sets = prompt_sets(target.tokenizer, chat_documents, config)
     check_prompts_fit(sets, config.max_new_tokens)
@@ -165,8 +173,10 @@ def serve_speed_run(
         session = Session.of(engine, run.workdir, run.path(SERVED_DIR))
         model = target_gguf(engine, run.workdir, target)
         served_as = served_draft(engine, run, draft, target)
+        if config.served_vocabulary is not None:
+            served_as = reduced_draft(engine, run, served_as, target, list(replies), config.served_vocabulary)
         speed = serve_speed(session, model, served_as, sets, config.max_new_tokens, config.served_rounds)
-        metrics = speed.metrics()
+        metrics = speed.metrics() | {names.VOCABULARY: config.served_vocabulary or target.spec.vocab_size}
         log_served(run, engine, metrics, speed.records())
     return metrics
 

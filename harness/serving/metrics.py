@@ -23,6 +23,7 @@ BREAK_EVEN_SHORTFALL = "break_even_shortfall"  # break-even minus the served acc
 CYCLE_COST = "cycle_cost_plain_tokens"  # one draft-and-verify cycle's time in plain decoded tokens
 ROUNDS = "speed_rounds"  # fresh launches (drafted and alone) the speed-up is the mean over; 1 for a compared serving
 LAUNCH_VARIANCE = "speedup_launch_variance"  # the round speed-ups' sample variance: launch-to-launch noise
+VOCABULARY = "draft_vocabulary"  # the tokens a speed-only serving's draft proposes from: all, or its reduced head's
 
 
 # llama.cpp's training-free speculation, served beside a run's draft on the same prompts (compare.py, benchmarks).
@@ -115,6 +116,7 @@ NAMES = (
     *SUMMARY,
     ROUNDS,
     LAUNCH_VARIANCE,
+    VOCABULARY,
     *OBJECTIVES,
     *(column for column in COLUMNS if column not in OBJECTIVES),
 )
