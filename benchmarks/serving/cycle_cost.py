@@ -133,6 +133,22 @@ def measure(args: argparse.Namespace) -> Record:
                         f"{cycle:.1f}",
                     ]
                 )
+        for outtype in args.draft_types:  # the same draft's weights quantized (the head stays the target's)
+            draft = shaped_draft(engine, target, args.workdir, args.blocks[0], 1, outtype)
+            label = f"cycle-{name.split()[0]}-b{args.blocks[0]}-{outtype}"
+            with session.server(model, label, draft, synthetic_length=1) as server:
+                quantized = token_ms(server, prompts, args.tokens)
+            values[name][f"block{args.blocks[0]}_{outtype}"] = quantized
+            full = values[name][f"block{args.blocks[0]}"]["cycle_ms"]
+            lever_rows.append(
+                [
+                    name,
+                    str(args.blocks[0]),
+                    f"a {outtype} draft",
+                    f"{quantized:.1f} ({quantized / plain:.2f})",
+                    f"{full:.1f}",
+                ]
+            )
         for threads in args.threads:
             draft = drafts[args.blocks[0]]
             options = {"threads": threads, "synthetic_length": 1}
@@ -174,7 +190,9 @@ def measure(args: argparse.Namespace) -> Record:
     if lever_rows:
         blocks += [
             "**Levers on the cycle**: a shorter draft (`--spec-draft-n-max` below the block: fewer tokens in the "
-            "block decode and in the verify batch) and the thread count.",
+            "block decode and in the verify batch), the draft's weights quantized (its layers and projections; the "
+            "vocabulary head it reads is the target's own) and the thread count. *Cycle at the full block* is the "
+            "f32 draft's.",
             Table(["target", "block", "lever", "cycle (length 1)", "cycle at the full block"], lever_rows),
         ]
     return Record(f"Blocks {' '.join(map(str, args.blocks))}", blocks, values, Provenance.now(engine=engine.commit))
@@ -190,6 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="verify-batch repeats per prompt (default: 3)")
     parser.add_argument("--n-max", type=int, nargs="*", default=[1, 2], help="shorter drafts (default: 1 2)")
     parser.add_argument("--threads", type=int, nargs="*", default=[1], help="thread counts as a lever (default: 1)")
+    parser.add_argument(
+        "--draft-types",
+        nargs="*",
+        default=["q8_0"],
+        choices=["f16", "bf16", "q8_0"],
+        help="the first block's draft converted to these types as a lever (default: q8_0)",
+    )
     page_argument(parser, GROUP, PAGE)
     args = parser.parse_args(argv)
     found = measure(args)
