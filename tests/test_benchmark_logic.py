@@ -159,3 +159,19 @@ def test_a_served_drafts_log_is_named_by_its_run_and_head_size_without_spaces():
     full = ServedDraft("run-a", "dflash2", Path("work/runs/run-a/served/draft-f32.gguf"), 3, "draft-dflash")
     reduced = ServedDraft("run-a (vocabulary 4096)", "dflash2", full.gguf.with_name("x.gguf"), 3, "draft-dflash", 4096)
     assert log_name(full) == "draft-run-a" and log_name(reduced) == "draft-run-a-vocab4096"
+
+
+def test_the_main_job_record_takes_the_reports_ngram_table_as_rendered():
+    """benchmarks.studies.main_job keeps the report's n-gram table, lead and rows, and nothing after it."""
+    from benchmarks.studies.main_job import NGRAM_TABLE
+    from harness.serving import metrics as served_names
+    from reports.sections import ngram_table
+
+    row = {"run_name": "best", "served_speedup": 0.5, "served_speedup_low": 0.4, "served_speedup_high": 0.6}
+    for column in served_names.NGRAM_COLUMNS:
+        row |= {column: 1.1, f"{column}_se": 0.02}
+    report = f"## Served{ngram_table(pd.DataFrame([row]))}\n\n## Next section\n"
+    found = NGRAM_TABLE.search(report).group(0)
+    assert found.startswith("**Beside llama.cpp's") and found.rstrip().endswith("| 1.10 ± 0.02 |")
+    assert found.count("\n|") == 3 and "Next section" not in found
+    assert NGRAM_TABLE.search("## Served\n\nno n-gram types here\n") is None

@@ -23,6 +23,8 @@ GROUP, PAGE = "studies", "MAIN_JOB"
 REPORT = Path("work") / "reports" / "default" / "README.md"
 COMPUTED_IN = re.compile(r"\*\*Computed in:\*\* ([^.]+)\.")
 STANDING = re.compile(r"\*\*Against the break-even\.\*\* (.+)")
+# The report's served runs beside llama.cpp's n-gram types (reports/sections.py, ngram_table): its lead and table.
+NGRAM_TABLE = re.compile(r"\*\*Beside llama\.cpp's training-free speculation\.\*\*.*?\n\n(?:\|.*(?:\n|$))+")
 
 
 def verdict_lines(log: str) -> list[str]:
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         Table(["wall, setup included", "computed in", "note"], [row]),
         "```text\nVerdicts of study default:\n" + "\n".join(verdicts) + "\n```",
         *([standing.group(1)] if standing else []),
+        *([ngram.group(0).strip()] if (ngram := NGRAM_TABLE.search(report)) else []),
     ]
     values = {"wall": clock, "commit": commit, "verdicts": verdicts}
     record = Record(f"Fresh clone at {commit} on {machine}", blocks, values, Provenance.now())
