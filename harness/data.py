@@ -211,6 +211,21 @@ def load_conversations(config: DataConfig, cache_dir: Path, target=None) -> tupl
     return chosen, dropped
 
 
+def held_out_conversations(config: DataConfig, source: str, count: int, cache_dir: Path) -> list[list[dict]]:
+    """`count` conversations of `source` that a run on `config` never saw: in the same seeded order and filters, the
+    ones after its own share of that source (from the first where it did not train on the source)."""
+    if source == MAGPIE:
+        raise ValueError(
+            f"invalid --chat-data={source!r}: allowed a source read from a dataset, not written by the target"
+        )
+    parts = dataset_parts(config.dataset)
+    trained = dict(zip([s for s, _ in parts], shares(config.num_conversations, [w for _, w in parts]), strict=True))
+    skip = trained.get(source, 0)
+    decontaminator = Decontaminator.mtbench() if config.decontaminate else None
+    conversations, _ = source_conversations(source, skip + count, config, cache_dir, decontaminator)
+    return conversations[skip:]
+
+
 def magpie_conversations(
     target, count: int, config: DataConfig, cache_dir: Path, decontaminator: Decontaminator | None
 ) -> tuple[list[list[dict]], int]:

@@ -10,6 +10,7 @@ from harness.data import (
     conversation_problem,
     dataset_parts,
     embedded_jsonl,
+    held_out_conversations,
     load_conversations,
     read_prompts,
     sharegpt_rows,
@@ -170,6 +171,23 @@ def test_a_mixture_draws_each_sources_share_by_its_weight(tmp_path):
     assert shares(10, [1, 1, 1]) == [4, 3, 3] and sum(shares(7, [0.2, 0.5, 0.3])) == 7
     with pytest.raises(ValueError, match=r"its share of .* \(30\) is more than the 20 usable conversations"):
         load_conversations(DataConfig(dataset=f"{a}:3+{b}", num_conversations=40, num_validation=2), tmp_path)
+
+
+def test_held_out_conversations_of_a_source_are_the_next_ones_past_the_runs_share_and_never_trained_on(tmp_path):
+    a = _write(tmp_path / "a.jsonl", [{"messages": user_turn(f"a {i}")} for i in range(20)])
+    b = _write(tmp_path / "b.jsonl", [{"messages": user_turn(f"b {i}")} for i in range(20)])
+    c = _write(tmp_path / "c.jsonl", [{"messages": user_turn(f"c {i}")} for i in range(20)])
+    config = DataConfig(dataset=f"{a}:3+{b}", num_conversations=16, num_validation=2)  # 12 of a, 4 of b
+    trained, _ = load_conversations(config, tmp_path)
+    for source, share in ((a, 12), (b, 4), (c, 0)):
+        held_out = held_out_conversations(config, str(source), 5, tmp_path)
+        alone = DataConfig(dataset=str(source), num_conversations=share + 5, num_validation=1, seed=config.seed)
+        assert held_out == load_conversations(alone, tmp_path)[0][share:], "the same seeded order, past the share"
+        assert len(held_out) == 5 and not [h for h in held_out if h in trained]
+    with pytest.raises(ValueError, match=r"the 20 usable conversations of"):
+        held_out_conversations(config, str(a), 9, tmp_path)  # 12 trained + 9 > 20
+    with pytest.raises(ValueError, match=r"invalid --chat-data='magpie': allowed a source read from a dataset"):
+        held_out_conversations(config, "magpie", 5, tmp_path)
 
 
 @pytest.mark.parametrize("dataset", ["sharegpt:0+chitchat", "sharegpt:x+chitchat", "+chitchat", "sharegpt:-1"])

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
-from harness.data import DataConfig, dataset_parts, load_conversations, prepare_documents
+from harness.data import held_out_conversations, prepare_documents
 from harness.evaluate import chat_prompt_ids, prompt_ids
 from harness.mtbench import mtbench_records
 from harness.run import SERVED_DIR, Run
@@ -127,15 +127,12 @@ def measure(args: argparse.Namespace) -> Record:
     prompts = prompts_by_category(target.tokenizer, args.per_category)
     if args.chat and args.chat_data is None:  # the first run's held-out conversations, up to their first reply
         prompts[CHAT] = chat_prompt_ids(prepare_documents(target, first.data, workdir).validation, args.chat)
-    elif args.chat:  # another source's first user turns, in its seeded order (a chitchat run's held-out ones first)
-        trained_on = {source for source, _ in dataset_parts(first.data.dataset)}
-        if trained_on & {source for source, _ in dataset_parts(args.chat_data)}:
-            raise SystemExit(f"invalid --chat-data={args.chat_data!r}: the runs trained on it; allowed another source")
-        other = DataConfig(dataset=args.chat_data, num_conversations=args.chat, num_validation=1)
-        conversations, _ = load_conversations(other, workdir)
-        prompts[f"{args.chat_data} (not trained on)"] = [
-            prompt_ids(target.tokenizer, c[0]["content"]) for c in conversations
-        ]
+    elif args.chat:  # a source's first user turns that the runs never saw (past their own share of it)
+        try:
+            conversations = held_out_conversations(first.data, args.chat_data, args.chat, workdir)
+        except ValueError as error:
+            raise SystemExit(f"error: {error}") from None
+        prompts[f"{args.chat_data} (held out)"] = [prompt_ids(target.tokenizer, c[0]["content"]) for c in conversations]
     session = Session.of(engine, workdir, runs[0].run.path(SERVED_DIR) / "speedup-benchmark")
     models = {"f32": target_gguf(engine, workdir, target), "q4_1": embedded_gguf_path(first.target)}
     blocks, values = [], {}
@@ -232,8 +229,8 @@ def main() -> None:
     serving_arguments(parser)
     parser.add_argument(
         "--chat-data",
-        help="serve the first user turns of this source (e.g. chitchat, for a run trained on other data) as the "
-        "chat prompts (default: the run's own held-out conversations)",
+        help="serve first user turns of this source as the chat prompts, past the runs' own share of it (e.g. "
+        "sharegpt for a ShareGPT-trained run; default: the run's own held-out conversations)",
     )
     parser.add_argument(
         "--run",
