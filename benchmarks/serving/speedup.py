@@ -214,7 +214,9 @@ def held_out(args: argparse.Namespace) -> str:
     """Which conversations the chat prompts are, as the benchmark's text states it."""
     if args.chat_data is None:
         return "the run's held-out chat conversations"
-    return f"the first user turns of `{args.chat_data}` in its seeded order (not in the runs' training data)"
+    return (
+        f"first user turns of `{args.chat_data}` in its seeded order, past the runs' own share of it (never trained on)"
+    )
 
 
 def reply_length(args: argparse.Namespace) -> str:
