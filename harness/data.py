@@ -195,11 +195,10 @@ def embedded_jsonl(name: str, data_dir: Path) -> Path:
 def load_conversations(config: DataConfig, cache_dir: Path, target=None) -> tuple[list[list[dict]], int]:
     """`num_conversations` conversations, each source's share drawn by a seeded shuffle (a mixture shuffled again;
     `magpie`'s written by the `target`), and how many were dropped as contaminated on the way."""
-    parts = dataset_parts(config.dataset)
-    counts = shares(config.num_conversations, [weight for _, weight in parts])
-    decontaminator = Decontaminator.mtbench() if config.decontaminate else None
+    parts = source_shares(config)
+    decontaminator = decontaminator_of(config)
     chosen, dropped = [], 0
-    for (source, _), count in zip(parts, counts, strict=True):
+    for source, count in parts:
         if source == MAGPIE:
             conversations, source_dropped = magpie_conversations(target, count, config, cache_dir, decontaminator)
         else:
@@ -218,12 +217,19 @@ def held_out_conversations(config: DataConfig, source: str, count: int, cache_di
         raise ValueError(
             f"invalid --chat-data={source!r}: allowed a source read from a dataset, not written by the target"
         )
-    parts = dataset_parts(config.dataset)
-    trained = dict(zip([s for s, _ in parts], shares(config.num_conversations, [w for _, w in parts]), strict=True))
-    skip = trained.get(source, 0)
-    decontaminator = Decontaminator.mtbench() if config.decontaminate else None
-    conversations, _ = source_conversations(source, skip + count, config, cache_dir, decontaminator)
+    skip = dict(source_shares(config)).get(source, 0)
+    conversations, _ = source_conversations(source, skip + count, config, cache_dir, decontaminator_of(config))
     return conversations[skip:]
+
+
+def source_shares(config: DataConfig) -> list[tuple[str, int]]:
+    """Each source of `config.dataset` with the conversations it contributes: its weight's share of the total."""
+    parts = dataset_parts(config.dataset)
+    return list(zip([s for s, _ in parts], shares(config.num_conversations, [w for _, w in parts]), strict=True))
+
+
+def decontaminator_of(config: DataConfig) -> Decontaminator | None:
+    return Decontaminator.mtbench() if config.decontaminate else None
 
 
 def magpie_conversations(

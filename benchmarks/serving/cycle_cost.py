@@ -219,8 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     found = measure(args)
     page = Page.named(GROUP, args.page or PAGE).titled("One served draft cycle taken apart: where its time goes")
-    print(found.markdown())
-    print(f"recorded {page.add(found)}; rendered {page.path}")
+    page.publish(found)
     return 0
 
 

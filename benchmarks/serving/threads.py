@@ -54,25 +54,16 @@ def measure(args: argparse.Namespace) -> Record:
     model = target_gguf(engine, args.workdir, target)
     prompts = [prompt_ids(target.tokenizer, q) for q in mtbench_questions(args.prompts)]
     session = Session.of(engine, args.workdir, args.workdir / SERVED_DIR / "threads-logs")
-    rows, values = [], {}
-    for threads in args.threads:
-        for servers in args.servers:
-            rates = side_by_side(session, model, servers, threads, prompts, args.tokens)
-            medians = [statistics.median(r) for r in rates]
-            values[f"{servers}x{threads}"] = {"tokens_per_s": rates, "median": medians}
-            rows.append(
-                [
-                    str(servers),
-                    str(threads),
-                    str(servers * threads),
-                    " / ".join(f"{m:.1f}" for m in medians),
-                    f"{sum(medians):.1f}",
-                ]
-            )
-    alone = {t: values[f"1x{t}"]["median"][0] for t in args.threads if 1 in args.servers}
-    for row, key in zip(rows, values, strict=True):
-        servers, threads = (int(n) for n in key.split("x"))
-        row.append(f"{values[key]['median'][0] / alone[threads]:.2f}" if threads in alone else "not measured")
+    shapes = [(servers, threads) for threads in args.threads for servers in args.servers]
+    rates = {shape: side_by_side(session, model, *shape, prompts, args.tokens) for shape in shapes}
+    medians = {shape: [statistics.median(r) for r in found] for shape, found in rates.items()}
+    values = {f"{s}x{t}": {"tokens_per_s": rates[s, t], "median": medians[s, t]} for s, t in shapes}
+    rows = []
+    for servers, threads in shapes:
+        speeds, alone = medians[servers, threads], medians.get((1, threads))
+        of_alone = f"{speeds[0] / alone[0]:.2f}" if alone else "not measured"
+        row = [servers, threads, servers * threads, " / ".join(f"{m:.1f}" for m in speeds), f"{sum(speeds):.1f}"]
+        rows.append([str(cell) for cell in row] + [of_alone])
     title = (
         f"Servers side by side: the f32 target, {len(prompts)} MT-bench prompts, {args.tokens} tokens each, "
         f"{os.cpu_count()} cores"

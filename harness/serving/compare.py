@@ -174,7 +174,7 @@ def serve_speed_run(
         model = target_gguf(engine, run.workdir, target)
         served_as = served_draft(engine, run, draft, target)
         if config.served_vocabulary is not None:
-            served_as = reduced_draft(engine, run, served_as, target, list(replies), config.served_vocabulary)
+            served_as = reduced_draft(engine, run, served_as, target, replies, config.served_vocabulary)
         speed = serve_speed(session, model, served_as, sets, config.max_new_tokens, config.served_rounds)
         metrics = speed.metrics() | {names.VOCABULARY: config.served_vocabulary or target.spec.vocab_size}
         log_served(run, engine, metrics, speed.records())

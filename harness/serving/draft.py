@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,7 +83,7 @@ def draft_gguf(engine: Engine, run: Run, draft: DFlashDraft, target: Target) -> 
     return to_gguf(engine, export, run.path(SERVED_DIR) / DRAFT_GGUF_FILE, f"run {run.name}", Path(target.source))
 
 
-def frequent_tokens(documents: list[Document], size: int, always: tuple[int, ...] = ()) -> list[int]:
+def frequent_tokens(documents: Sequence[Document], size: int, always: tuple[int, ...] = ()) -> list[int]:
     """The `size` token ids the target writes most often in `documents`' supervised positions (its replies), most
     frequent first, with `always` (the end-of-turn tokens) among them; ties by id."""
     counts = Counter(t for d in documents for t, kept in zip(d.input_ids, d.loss_mask, strict=True) if kept)
@@ -96,7 +97,7 @@ def frequent_tokens(documents: list[Document], size: int, always: tuple[int, ...
 
 
 def reduced_draft(
-    engine: Engine, run: Run, served: ServedDraft, target: Target, documents: list[Document], size: int
+    engine: Engine, run: Run, served: ServedDraft, target: Target, documents: Sequence[Document], size: int
 ) -> ServedDraft:
     """The served draft drafting over the `size` tokens its training replies use most (the head's other rows
     dropped, a `d2t` map added), written once per size beside the run's draft GGUF."""
