@@ -199,12 +199,18 @@ class RunConfig:
         return {**self.algorithm.flat_params(), **flat_section("train", self.train), **flat_section("data", self.data)}
 
     def with_knobs(self, values: dict[str, Any]) -> RunConfig:
-        """A copy with flat knob values, each routed to its section: training knobs by name, the rest to the
-        algorithm (whose shared or own knob it must be)."""
+        """A copy with flat knob values, each routed to its section: training knobs by name, the data's sweepable
+        ones by name, the rest to the algorithm (whose shared or own knob it must be)."""
         train_names = {f.name for f in dataclasses.fields(TrainConfig)}
         train = {k: v for k, v in values.items() if k in train_names}
-        algorithm = self.algorithm.replace(**{k: v for k, v in values.items() if k not in train_names})
-        return dataclasses.replace(self, algorithm=algorithm, train=dataclasses.replace(self.train, **train))
+        data = {k: v for k, v in values.items() if k in DataConfig.SWEEPABLE}
+        algorithm = self.algorithm.replace(**{k: v for k, v in values.items() if k not in {*train, *data}})
+        return dataclasses.replace(
+            self,
+            algorithm=algorithm,
+            train=dataclasses.replace(self.train, **train),
+            data=dataclasses.replace(self.data, **data),
+        )
 
     def fingerprint(self) -> str:
         from harness.data import stable_hash

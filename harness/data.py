@@ -11,6 +11,7 @@ import random
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from tqdm.auto import tqdm
@@ -60,10 +61,26 @@ class DataConfig:
     decontaminate: bool = knob(
         True, f"drop conversations whose user turns share a run of {RUN_WORDS} words with an MT-bench turn"
     )
+    validation_data: str | None = knob(
+        None,
+        "the source or mixture whose first num_validation conversations validate the run whatever its dataset is, "
+        "held out of its training, so every mixture a study sweeps is measured on the same prompts (default: the "
+        "run's own dataset's split)",
+        flag="--validation-data",
+    )
+    # A study may sweep the data as it sweeps an algorithm's knobs: each value gets its own workspace.
+    SWEEPABLE: ClassVar[tuple[str, ...]] = ("dataset",)
 
     def validate(self) -> None:
         check_section(self)
         dataset_parts(self.dataset)
+        if self.validation_data is not None:
+            for source, _ in dataset_parts(self.validation_data):
+                if source == MAGPIE:
+                    raise ValueError(
+                        f"invalid knob validation_data={self.validation_data!r}: allowed sources read from a "
+                        f"dataset, not {MAGPIE!r} (written by the target)"
+                    )
         for name in (
             "num_conversations",
             "max_user_turns",
@@ -194,20 +211,30 @@ def embedded_jsonl(name: str, data_dir: Path) -> Path:
 
 def load_conversations(config: DataConfig, cache_dir: Path, target=None) -> tuple[list[list[dict]], int]:
     """`num_conversations` conversations, each source's share drawn by a seeded shuffle (a mixture shuffled again;
-    `magpie`'s written by the `target`), and how many were dropped as contaminated on the way."""
-    parts = source_shares(config)
+    `magpie`'s written by the `target`), and how many were dropped as contaminated on the way. With
+    `validation_data`, its conversations come first, and each training source starts past them."""
     decontaminator = decontaminator_of(config)
-    chosen, dropped = [], 0
-    for source, count in parts:
+    held = dict(validation_shares(config))
+    validation, dropped = [], 0
+    for source, count in validation_shares(config):
+        conversations, source_dropped = source_conversations(source, count, config, cache_dir, decontaminator)
+        validation += conversations
+        dropped += source_dropped
+    chosen = []
+    for source, count in source_shares(config):
         if source == MAGPIE:
             conversations, source_dropped = magpie_conversations(target, count, config, cache_dir, decontaminator)
         else:
-            conversations, source_dropped = source_conversations(source, count, config, cache_dir, decontaminator)
+            skip = held.get(source, 0)
+            conversations, source_dropped = source_conversations(
+                source, skip + count, config, cache_dir, decontaminator
+            )
+            conversations = conversations[skip:]
         chosen += conversations
         dropped += source_dropped
-    if len(parts) > 1:
+    if len(dataset_parts(config.dataset)) > 1:
         random.Random(config.seed).shuffle(chosen)
-    return chosen, dropped
+    return validation + chosen, dropped
 
 
 def held_out_conversations(config: DataConfig, source: str, count: int, cache_dir: Path) -> list[list[dict]]:
@@ -217,15 +244,26 @@ def held_out_conversations(config: DataConfig, source: str, count: int, cache_di
         raise ValueError(
             f"invalid --chat-data={source!r}: allowed a source read from a dataset, not written by the target"
         )
-    skip = dict(source_shares(config)).get(source, 0)
+    skip = dict(source_shares(config)).get(source, 0) + dict(validation_shares(config)).get(source, 0)
     conversations, _ = source_conversations(source, skip + count, config, cache_dir, decontaminator_of(config))
     return conversations[skip:]
 
 
 def source_shares(config: DataConfig) -> list[tuple[str, int]]:
-    """Each source of `config.dataset` with the conversations it contributes: its weight's share of the total."""
-    parts = dataset_parts(config.dataset)
-    return list(zip([s for s, _ in parts], shares(config.num_conversations, [w for _, w in parts]), strict=True))
+    """Each source of `config.dataset` with the conversations it contributes: its weight's share of the total (of
+    the training conversations alone, where `validation_data` gives the validation ones)."""
+    total = config.num_conversations - (config.num_validation if config.validation_data is not None else 0)
+    return weighted_shares(config.dataset, total)
+
+
+def validation_shares(config: DataConfig) -> list[tuple[str, int]]:
+    """Each source of `config.validation_data` with its share of the validation conversations (none without it)."""
+    return [] if config.validation_data is None else weighted_shares(config.validation_data, config.num_validation)
+
+
+def weighted_shares(dataset: str, total: int) -> list[tuple[str, int]]:
+    parts = dataset_parts(dataset)
+    return list(zip([s for s, _ in parts], shares(total, [w for _, w in parts]), strict=True))
 
 
 def decontaminator_of(config: DataConfig) -> Decontaminator | None:
@@ -462,7 +500,7 @@ class PreparedData:
 def prepare_documents(target, config: DataConfig, cache_dir: Path) -> PreparedData:
     """Load, regenerate (cached per target + data config) and tokenise; split off a fixed validation set."""
     config.validate()
-    key = stable_hash({"target": target.weights_hash, "data": asdict(config)})
+    key = stable_hash({"target": target.weights_hash, "data": data_identity(config)})
     cache = cache_dir / "data" / f"documents-{key}.json"
     if cache.exists():
         payload = json.loads(cache.read_text())
@@ -486,6 +524,15 @@ def prepare_documents(target, config: DataConfig, cache_dir: Path) -> PreparedDa
     validation, train = documents[: config.num_validation], documents[config.num_validation :]
     documents_hash = stable_hash(payload["documents"])
     return PreparedData(train, validation, config.dataset, documents_hash, config, payload["decontaminated"])
+
+
+def data_identity(config: DataConfig) -> dict:
+    """The data config as its caches are keyed: a config that does not name `validation_data` keys them as it did
+    before the knob existed, so caches already built stay valid."""
+    identity = asdict(config)
+    if identity["validation_data"] is None:
+        del identity["validation_data"]
+    return identity
 
 
 def trim_to_user_turns(conversation: list[dict], max_user_turns: int) -> list[dict]:

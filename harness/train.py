@@ -92,6 +92,33 @@ class Workspace:
         return fill(dataclasses.replace(row), self.train_members[index], self.features, len(self.data.validation))
 
 
+@dataclass
+class Workspaces:
+    """The workspace of each run's data, built on first use: a study that sweeps its data trains each value on its
+    own documents and features. Only the last one used stays in memory, since a workspace holds its rows' features."""
+
+    workdir: Path
+    device: str = "cpu"
+    _current: Workspace | None = None
+    _built_for: RunConfig | None = None
+
+    def of(self, config: RunConfig) -> Workspace:
+        if self._current is None or not self._holds(config):
+            self._current, self._built_for = prepare_workspace(config, self.workdir, self.device), config
+        return self._current
+
+    def _holds(self, config: RunConfig) -> bool:
+        """Whether the workspace in memory has `config`'s target, data, features and layers (compared resolved: a
+        run's checkpoint pins the layer ids its study left to the target)."""
+        layers = self._current.target.spec.num_hidden_layers
+        return workspace_identity(config, layers) == workspace_identity(self._built_for, layers)
+
+
+def workspace_identity(config: RunConfig, num_target_layers: int) -> tuple:
+    layer_ids = config.algorithm.shared.resolve_target_layer_ids(num_target_layers)
+    return config.target, config.data, config.train.features, tuple(layer_ids)
+
+
 def prepare_workspace(config: RunConfig, workdir: Path, device: str = "cpu", ranks: Ranks = SINGLE) -> Workspace:
     """Target, regenerated data and the features for `config`: the cache (the target runs only on a miss), or
     the target itself in online mode, which writes nothing and computes training rows' features per step.

@@ -16,6 +16,7 @@ from algorithms import ALGORITHMS, SharedKnobs
 from algorithms.metrics import ACCEPTED_LENGTHS, DRAFT_STEP_MS, HEADLINE_METRICS, REALIZED_ACCEPTED_LENGTH, se_name
 from harness import tracking
 from harness.config import TrainConfig
+from harness.data import DataConfig
 from harness.run import VALIDATION_DOCUMENTS_FILE
 from harness.serving import metrics as served_names
 from harness.tracking import RunStatus
@@ -24,8 +25,11 @@ from harness.validation import SUBSET_ROWS
 VAL, EVAL = tracking.VAL_PREFIX, tracking.EVAL_PREFIX
 # Every knob any registered algorithm tunes, in registry order: the knob columns of a report.
 TUNED_KNOBS = tuple(dict.fromkeys(knob for entry in ALGORITHMS.values() for knob in entry.tuned_knobs))
-# The shared and training knobs a study may also sweep: a report shows those that differ between its runs.
-OTHER_KNOBS = tuple(k for k in (*SharedKnobs.SWEEPABLE, *TrainConfig.SWEEPABLE) if k not in TUNED_KNOBS)
+# The shared, training and data knobs a study may also sweep: a report shows those that differ between its runs.
+OTHER_KNOBS = tuple(
+    k for k in (*SharedKnobs.SWEEPABLE, *TrainConfig.SWEEPABLE, *DataConfig.SWEEPABLE) if k not in TUNED_KNOBS
+)
+KNOB_SECTIONS = ("algo", "shared", "train", "data")  # where a run's params spell each knob
 MEASURED = {
     "measured_greedy": "measured_accepted_length_greedy",
     "measured_t1": "measured_accepted_length_t1",
@@ -89,15 +93,15 @@ def collect(study: str, workdir: Path) -> StudyRecord:
             "parameters": float(params["draft_parameters"]) if "draft_parameters" in params else float("nan"),
             "target": params.get("target", ""),
             "target_hash": params.get("target_hash", ""),
-            "dataset": params.get("dataset", ""),
             "dataset_hash": params.get("dataset_hash", ""),
+            "validation_data": params.get("data.validation_data", "None"),
             "design_point": tags.get(tracking.TAG_DESIGN_POINT, ""),
             "computes_in": tags.get(tracking.TAG_COMPUTES_IN, ""),
             "max_steps": int(params.get("train.max_steps") or 0),
             "wall_s": float("nan") if (wall := tracking.wall_seconds(run.info)) is None else wall,
         }
         for knob in (*TUNED_KNOBS, *OTHER_KNOBS):
-            row[knob] = params.get(f"algo.{knob}", params.get(f"shared.{knob}", params.get(f"train.{knob}", "")))
+            row[knob] = next((params[f"{s}.{knob}"] for s in KNOB_SECTIONS if f"{s}.{knob}" in params), "")
         for name in (*HEADLINE_METRICS, DRAFT_STEP_MS):
             row[name] = metrics.get(tracking.metric_key(name, VAL), float("nan"))
         for prefix, columns in ((EVAL, MEASURED), (served_names.PREFIX, served_names.COLUMNS)):

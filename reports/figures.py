@@ -18,7 +18,15 @@ from reports.estimates import (
     estimate,
 )
 from reports.markdown import fmt_value
-from reports.sections import PATH_LABELS, best_and_reference, knob_columns, knob_levels, position_rows
+from reports.sections import (
+    PATH_LABELS,
+    best_and_reference,
+    knob_columns,
+    knob_levels,
+    knob_value,
+    level_order,
+    position_rows,
+)
 
 
 def _pyplot():
@@ -51,12 +59,13 @@ def knob_figure(record: StudyRecord, configs: list[Configuration]):
     fig, axes = plt.subplots(1, len(knobs), figsize=(3.4 * len(knobs), 3.2), squeeze=False)
     for axis, knob in zip(axes[0], knobs, strict=True):
         dimension = kinds.get(knob, {})
-        categorical = dimension.get("kind") == "categorical"
-        values = sorted({float(c.first[knob]) for c in trials})
+        levels = {c.key: knob_value(c.first[knob]) for c in trials}
+        categorical = dimension.get("kind") == "categorical" or any(isinstance(v, str) for v in levels.values())
+        values = sorted(set(levels.values()), key=level_order)
         for offset, (metric, marker) in zip((-0.12, 0.0, 0.12), zip(ACCEPTED_LENGTHS, "so^", strict=True), strict=True):
             xs, ys, errors = [], [], []
             for c in trials:
-                value, point = float(c.first[knob]), estimate(c, metric)
+                value, point = levels[c.key], estimate(c, metric)
                 x = values.index(value) + offset if categorical else value
                 xs.append(x)
                 ys.append(point.value)

@@ -102,6 +102,8 @@ def header(record: StudyRecord, configs: list[Configuration]) -> str:
     )
     target = f"{first['target']} (weights `{first['target_hash']}`)" if first is not None else "–"
     data = f"{first['dataset']} (hash `{first['dataset_hash']}`)" if first is not None else "–"
+    if "dataset" in differing:
+        data = f"swept (the `dataset` column below); every run validated on {first['validation_data']}"
     if configs:
         documents = configs[0].documents[configs[0].seeds[0]]
         anchors = sum(len(cell.split()) for cell in documents["anchor_positions"])
@@ -411,17 +413,32 @@ def component_ablation(configs: list[Configuration]) -> str | None:
 
 def knob_levels(trials: list[Configuration], knob: str, categorical: bool) -> list[tuple[str, list[Configuration]]]:
     """The trials at each level of a knob. A numeric knob with more than two distinct values splits at its
-    median, so each half pools several trials (one trial per level would compare single runs)."""
-    values = {c.key: float(c.first[knob]) for c in trials if c.first[knob] != ""}
-    distinct = sorted(set(values.values()))
+    median, so each half pools several trials (one trial per level would compare single runs); a knob with a
+    value that is not a number (a data mixture) is categorical."""
+    values = {c.key: knob_value(c.first[knob]) for c in trials if c.first[knob] != ""}
+    numeric = all(isinstance(v, float) for v in values.values())
+    distinct = sorted(set(values.values()), key=level_order)
     if len(distinct) < 2:
         return []
-    if categorical or len(distinct) == 2:
+    if categorical or not numeric or len(distinct) == 2:
         return [(fmt_value(v), [c for c in trials if values.get(c.key) == v]) for v in distinct]
     median = float(np.median(list(values.values())))
     low = [c for c in trials if c.key in values and values[c.key] <= median]
     high = [c for c in trials if c.key in values and values[c.key] > median]
     return [(f"≤ {fmt_value(median)}", low), (f"> {fmt_value(median)}", high)]
+
+
+def knob_value(recorded) -> float | str:
+    """A knob's recorded value: a number where it is one, else its text (a data mixture)."""
+    try:
+        return float(recorded)
+    except (TypeError, ValueError):
+        return str(recorded)
+
+
+def level_order(value: float | str) -> tuple:
+    """Numbers in order, then texts in order."""
+    return (isinstance(value, str), value)
 
 
 def level_estimate(configs: list[Configuration]) -> Estimate:

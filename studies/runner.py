@@ -27,13 +27,14 @@ from algorithms.metrics import ACCEPTED_LENGTHS
 from algorithms.registry import draft_config, with_design_point
 from harness import tracking
 from harness.config import RunConfig, TrainConfig, decay_steps
+from harness.data import DataConfig
 from harness.evaluate import evaluate, log_evaluation
 from harness.files import file_lock
 from harness.pareto import pareto_front
 from harness.run import Run
 from harness.serving import metrics as served_names
 from harness.tracking import RunStatus
-from harness.train import TrainedRun, Workspace, prepare_workspace, train, with_target_defaults
+from harness.train import TrainedRun, Workspaces, train, with_target_defaults
 from studies.claims import Claims, ClaimState
 from studies.schema import DESIGN_SAMPLER, PUBLISHED_SUFFIX, StudyDefinition, StudyDefinitionError
 from studies.storage import (
@@ -156,6 +157,7 @@ def with_budget(
     seed: int | None = None,
     steps: int | None = None,
     train: TrainConfig | None = None,
+    data: DataConfig | None = None,
 ) -> RunConfig:
     """A run of the study: its data, target and training knobs (default: the base's) at `steps` (default: the
     study's first step budget) and `seed`. With budgets as branches, a run at the longest budget is a trunk that
@@ -169,7 +171,7 @@ def with_budget(
         seed=base.train.seed if seed is None else seed,
         branches=definition.budgets[:-1] if trunk else [],
     )
-    return RunConfig(algorithm, train_config, base.data, base.target)
+    return RunConfig(algorithm, train_config, data or base.data, base.target)
 
 
 def as_branch_of(config: RunConfig, trunk_run: str) -> RunConfig:
@@ -192,7 +194,7 @@ def trial_config(definition: StudyDefinition, params: dict) -> RunConfig:
         algorithm = with_design_point(definition.base.algorithm, design_point(params), definition.design.member_knobs)
         return with_budget(definition, algorithm, steps=params.get(BUDGET_PARAM))
     run = definition.base.with_knobs(params)
-    return with_budget(definition, run.algorithm, train=run.train)
+    return with_budget(definition, run.algorithm, train=run.train, data=run.data)
 
 
 def check_against_target(definition: StudyDefinition, workdir: Path) -> None:
@@ -264,7 +266,7 @@ def baseline_run_name(study: str, baseline: str, seed: int, longer_steps: int | 
 @dataclass
 class StudyRunner:
     definition: StudyDefinition
-    workspace: Workspace
+    workspaces: Workspaces
     study: optuna.Study
     parent_run_id: str
     claims: Claims
@@ -274,7 +276,7 @@ class StudyRunner:
 
     @property
     def workdir(self) -> Path:
-        return self.workspace.workdir
+        return self.workspaces.workdir
 
     def _run(self, config: RunConfig, run_name: str, tags: dict, trial: optuna.Trial | None = None):
         """One run of the study, in this process or, with `nproc_per_node` > 1, as a torchrun job; `trial`
@@ -295,7 +297,7 @@ class StudyRunner:
             job = RunJob(config.to_dict(), str(self.workdir), self.device, options, link)
             return job.launch(self.definition.nproc_per_node)
         hook = None if trial is None else pruning_hook(trial, self.definition.pruner, prunes)
-        return train(config, self.workspace, device=self.device, on_validation=hook, **options)
+        return train(config, self.workspaces.of(config), device=self.device, on_validation=hook, **options)
 
     def run_baselines(self, wait: bool = False) -> None:
         """Each baseline with the study's pinned shared knobs, per seed, exactly once across every launcher.
@@ -373,7 +375,8 @@ class StudyRunner:
         if self.definition.design is not None:
             tags[tracking.TAG_DESIGN_POINT] = json.dumps(design_point(params), sort_keys=True)
         try:
-            draft_config(with_target_defaults(config, self.workspace.target).algorithm, self.workspace.target.spec)
+            target = self.workspaces.of(config).target
+            draft_config(with_target_defaults(config, target).algorithm, target.spec)
         except ValueError as error:
             self._record_infeasible(trial, config, tags, str(error))
             raise optuna.TrialPruned(f"infeasible: {error}") from None
@@ -476,13 +479,14 @@ class StudyRunner:
         trained = TrainedRun.load(run)  # and the run's MLflow id with it
         if served_status(run) is RunStatus.FINISHED:
             return run.metrics(served_names.PREFIX)
-        draft = trained.draft(self.workspace.target, self.device)
+        workspace = self.workspaces.of(trained.config)
+        draft = trained.draft(workspace.target, self.device)
         print(f"[serve] {name}: {why}", flush=True)
-        evaluation, documents = self.definition.evaluation, self.workspace.data.validation
+        evaluation, documents = self.definition.evaluation, workspace.data.validation
         if speed_only:
-            replies = self.workspace.data.train  # a reduced draft vocabulary's tokens: those its replies use most
-            return serve_speed_run(find_engine(), run, self.workspace.target, draft, documents, evaluation, replies)
-        return serve_run(find_engine(), run, self.workspace.target, draft, documents, evaluation)
+            replies = workspace.data.train  # a reduced draft vocabulary's tokens: those its replies use most
+            return serve_speed_run(find_engine(), run, workspace.target, draft, documents, evaluation, replies)
+        return serve_run(find_engine(), run, workspace.target, draft, documents, evaluation)
 
     def _await_trunk(self, trial: optuna.Trial, params: dict) -> int:
         """The trial whose runs a branch trial anneals (its point at the longest budget; a retry's runs carry the
@@ -598,14 +602,14 @@ class StudyRunner:
                 continue
             name = self.trial_run(trial.user_attrs.get(ATTR_ORIGIN, trial.number), self.definition.seeds[0])
             run = Run(self.workdir, name, tracking.experiment_name(self.definition.name))
-            draft = TrainedRun.load(run).draft(self.workspace.target, self.device)
+            trained = TrainedRun.load(run)
+            workspace = self.workspaces.of(trained.config)
+            draft = trained.draft(workspace.target, self.device)
             print(
                 f"[evaluate] trial {trial.number}: speculative decoding on MT-bench and held-out chat prompts",
                 flush=True,
             )
-            metrics, records = evaluate(
-                self.workspace.target, draft, self.workspace.data.validation, self.definition.evaluation
-            )
+            metrics, records = evaluate(workspace.target, draft, workspace.data.validation, self.definition.evaluation)
             log_evaluation(run, metrics, records)
             self.study.set_user_attr(ATTR_EVALUATED, [*self.study.user_attrs.get(ATTR_EVALUATED, []), trial.number])
 
@@ -871,9 +875,11 @@ def launch(
     enqueue_design(definition, study, claims)
     if others and device == "cpu":
         torch.set_num_threads(cpu_threads(len(others) + 1))
-    workspace = prepare_workspace(definition.base, workdir, device)
+    workspaces = Workspaces(workdir, device)
+    for config in definition.data_variants():  # every worker then finds each one's data and features cached
+        workspaces.of(config)
     mlflow.set_experiment(tracking.experiment_name(definition.name))
-    runner = StudyRunner(definition, workspace, study, parent, claims, device, system_metrics, url)
+    runner = StudyRunner(definition, workspaces, study, parent, claims, device, system_metrics, url)
     workers = spawn_workers(study_file, others, workdir, url, system_metrics) if others else []
     try:
         if not worker:

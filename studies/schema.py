@@ -14,7 +14,7 @@ from algorithms.knobs import knob_names
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
 from algorithms.registry import COMPONENT_FACTORS, MEMBER_FACTOR, with_design_point
 from harness.config import EvalConfig, RunConfig, TrainConfig, parse_yaml
-from harness.data import read_prompts
+from harness.data import DataConfig, read_prompts
 from harness.design import (
     FACTORIAL,
     ONE_AT_A_TIME,
@@ -126,6 +126,17 @@ class StudyDefinition:
         if self.design is not None and baseline == self.design.reference:
             return self.design.reference_seeds
         return self.seeds
+
+    def data_variants(self) -> list[RunConfig]:
+        """The base with each data value the search space sweeps (the base alone when it sweeps none): the
+        workspaces a launcher prepares before any worker starts."""
+        variants = {str(self.base.data): self.base}
+        for dimension in self.search_space:
+            if dimension.knob in DataConfig.SWEEPABLE:
+                for value in dimension.choices:
+                    config = self.base.with_knobs({dimension.knob: value})
+                    variants.setdefault(str(config.data), config)
+        return list(variants.values())
 
     def baseline_budgets(self, baseline: str) -> list[int]:
         """The budgets a baseline runs at: the reference arm at every budget, other baselines at the first."""
@@ -408,10 +419,19 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
         raise StudyDefinitionError(f"{path}: base: {error}") from None
 
     tuned = algorithm_entry(base.algorithm).tuned_knobs
-    sweepable = tuple(dict.fromkeys((*tuned, *SharedKnobs.SWEEPABLE, *TrainConfig.SWEEPABLE)))
+    sweepable = tuple(dict.fromkeys((*tuned, *SharedKnobs.SWEEPABLE, *TrainConfig.SWEEPABLE, *DataConfig.SWEEPABLE)))
     dimensions = [_dimension(path, knob, spec, sweepable) for knob, spec in file.search_space.items()]
     for dimension in dimensions:
         _check_values(path, dimension, run)
+        if dimension.knob in DataConfig.SWEEPABLE and run.data.validation_data is None:
+            # each mixture's own split would move the yardstick with the thing measured
+            raise _fail(
+                path,
+                "base.data.validation_data",
+                None,
+                f"a source or mixture when search_space sweeps {dimension.knob}: the one validation set every "
+                "value is measured on",
+            )
     design = None
     if file.design is not None:
         for key in ("sampler", "pruner"):

@@ -190,6 +190,30 @@ def test_held_out_conversations_of_a_source_are_the_next_ones_past_the_runs_shar
         held_out_conversations(config, "magpie", 5, tmp_path)
 
 
+def test_validation_data_validates_every_mixture_on_the_same_conversations_none_of_them_trains_on(tmp_path):
+    a = _write(tmp_path / "a.jsonl", [{"messages": user_turn(f"a {i}")} for i in range(20)])
+    b = _write(tmp_path / "b.jsonl", [{"messages": user_turn(f"b {i}")} for i in range(20)])
+    splits = {}
+    for dataset in (str(a), str(b), f"{a}:1+{b}:3"):
+        config = DataConfig(dataset=dataset, num_conversations=12, num_validation=4, validation_data=str(a))
+        loaded, _ = load_conversations(config, tmp_path)
+        splits[dataset] = loaded[:4], loaded[4:]
+        assert len(loaded) == 12
+    first_of_a = load_conversations(DataConfig(dataset=str(a), num_conversations=6, num_validation=1), tmp_path)[0]
+    for validation, train in splits.values():
+        assert validation == first_of_a[:4], "a's first four in its seeded order, whatever the dataset"
+        assert not [t for t in train if t in validation]
+    mixed_train = splits[f"{a}:1+{b}:3"][1]
+    assert sorted(c[0]["content"].split()[0] for c in mixed_train) == ["a"] * 2 + ["b"] * 6, "8 trained, 1:3"
+    assert splits[str(a)][1] == first_of_a[4:6] + splits[str(a)][1][2:], "a's training starts past its validation"
+    held_out = held_out_conversations(
+        DataConfig(dataset=str(a), num_conversations=12, num_validation=4, validation_data=str(a)), str(a), 3, tmp_path
+    )
+    assert not [h for h in held_out if h in splits[str(a)][0] + splits[str(a)][1]], "held out of both splits"
+    with pytest.raises(ValueError, match=r"invalid knob validation_data='magpie': allowed sources read from a dataset"):
+        DataConfig(validation_data="magpie").validate()
+
+
 @pytest.mark.parametrize("dataset", ["sharegpt:0+chitchat", "sharegpt:x+chitchat", "+chitchat", "sharegpt:-1"])
 def test_a_malformed_mixture_is_refused_naming_the_part(dataset):
     with pytest.raises(ValueError, match=r"invalid --data=.*: the part .* is not a source with a weight; allowed"):

@@ -211,3 +211,15 @@ def test_a_reduced_served_vocabulary_needs_a_served_objective_and_at_least_two_t
         parse_study(_set(SEARCH, "evaluate", {"serve": "llama.cpp", "served_vocabulary": 4096}), "search.yaml")
     with pytest.raises(StudyDefinitionError, match=r"invalid field evaluate.served_vocabulary=1: allowed"):
         parse_study(_set(served, "evaluate.served_vocabulary", 1), "search.yaml")
+
+
+def test_a_sweep_over_the_data_needs_one_validation_set_and_prepares_each_mixture_once():
+    data = yaml.safe_load((ROOT / "studies" / "data-mixture.yaml").read_text())
+    definition = parse_study(data, "data-mixture.yaml")
+    assert [c.data.dataset for c in definition.data_variants()] == ["chitchat", "sharegpt", "sharegpt:4+magpie:1"]
+    assert {c.data.validation_data for c in definition.data_variants()} == {"sharegpt:1+chitchat:1"}
+    without = _set(data, "base.data.validation_data", DELETE)
+    with pytest.raises(StudyDefinitionError, match=r"invalid field base.data.validation_data=None: allowed a source"):
+        parse_study(without, "data-mixture.yaml")
+    with pytest.raises(StudyDefinitionError, match=r"search_space.dataset: invalid --data='sharegpt:0'"):
+        parse_study(_set(data, "search_space.dataset", ["chitchat", "sharegpt:0"]), "data-mixture.yaml")

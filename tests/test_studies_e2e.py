@@ -17,6 +17,7 @@ import mlflow
 import optuna
 import pandas as pd
 import pytest
+import yaml
 from scipy import stats
 
 import reports.analysis
@@ -934,6 +935,60 @@ def test_budgets_as_branches_anneal_each_points_trunk(e2e_workspace, e2e_workdir
 
 
 KNOBS = Path(__file__).parent / "data" / "tiny_knobs.yaml"
+
+
+def test_a_study_sweeps_its_data_mixture_each_on_its_own_workspace_validated_on_the_same_conversations(
+    e2e_workspace, e2e_workdir, tmp_path
+):
+    """`dataset` in a search space: each trial trains on its own mixture's documents and features, and every one is
+    validated on the same held-out chitchat conversations (`validation_data`), so the sweep compares like for
+    like; the report names the mixture as a knob that differs."""
+    recipes = e2e_workdir / "recipes.jsonl"  # one path whichever session reuses the work directory
+    lines = [
+        {
+            "messages": [
+                {"role": "user", "content": f"How long do I bake loaf {i}?"},
+                {
+                    "role": "assistant",
+                    "content": f"Bake loaf {i} for {20 + i} minutes at 200 degrees, then let it cool.",
+                },
+            ]
+        }
+        for i in range(20)
+    ]
+    recipes.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    study = yaml.safe_load(KNOBS.read_text())
+    study["name"] = "tiny-data"
+    study["base"]["data"] = {
+        **study["base"]["data"],
+        "num_conversations": 24,
+        "num_validation": 6,
+        "regenerate": False,  # chitchat's and the file's own replies: no target decoding in this test
+        "validation_data": "chitchat",
+    }
+    mixtures = ["chitchat", f"chitchat:1+{recipes}:1"]
+    study["search_space"] = {"dataset": mixtures}
+    study["budget"] = {"n_trials": 2, "steps_per_trial": 2}
+    study["baselines"] = []
+    study_file = tmp_path / "tiny_data.yaml"
+    study_file.write_text(yaml.safe_dump(study))
+    without = {**study, "base": {**study["base"], "data": {**study["base"]["data"], "validation_data": None}}}
+    (tmp_path / "without.yaml").write_text(yaml.safe_dump(without))
+    refused = _launch(tmp_path / "without.yaml", e2e_workdir, cwd=tmp_path)
+    assert refused.returncode == 2 and "invalid field base.data.validation_data=None" in refused.stderr
+
+    done = _launch(study_file, e2e_workdir, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
+    experiment = client.get_experiment_by_name("dflash-lab/tiny-data").experiment_id
+    trials = [r for r in client.search_runs([experiment]) if r.data.tags[tracking.TAG_ROLE] == tracking.ROLE_TRIAL]
+    assert sorted(r.data.params["data.dataset"] for r in trials) == sorted(mixtures)
+    assert all(r.info.status == "FINISHED" for r in trials)
+    assert len({r.data.params["dataset_hash"] for r in trials}) == 2, "each mixture trains on its own documents"
+    anchors = {r.data.metrics[f"{tracking.VAL_PREFIX}num_anchors"] for r in trials}
+    assert len(anchors) == 1, f"every mixture validated on the same conversations: {anchors}"
+    report = (e2e_workdir / "reports" / "tiny-data" / "README.md").read_text()
+    assert "Knobs that differ between runs (each a column below): `dataset`" in report
 
 
 def test_a_study_sweeps_block_size_depth_and_learning_rate(e2e_workspace, e2e_workdir, tmp_path):
