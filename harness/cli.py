@@ -432,6 +432,7 @@ def evaluate_served(engine, run, workspace, draft, eval_config) -> int:
 def served_verdict(metrics: dict[str, float]) -> str:
     """One line: the served accepted length against the break-even of the draft's shape on this machine."""
     from harness.serving import metrics as served_names
+    from harness.serving.break_even import interval_text
 
     served, needed = metrics[served_names.ACCEPTED_GREEDY], metrics[served_names.BREAK_EVEN]
     if math.isinf(needed):
@@ -443,7 +444,7 @@ def served_verdict(metrics: dict[str, float]) -> str:
         return f"served accepted length {served:.2f} is above the break-even {needed:.2f}: the draft pays for itself"
     low, high = metrics[served_names.low(served_names.BREAK_EVEN)], metrics[served_names.high(served_names.BREAK_EVEN)]
     return (
-        f"served accepted length {served:.2f}; break-even on this machine {needed:.2f} [{low:.2f}, {high:.2f}]: "
+        f"served accepted length {served:.2f}; break-even on this machine {interval_text(needed, low, high)}: "
         f"{needed - served:.2f} accepted tokens per cycle short of paying for itself"
     )
 

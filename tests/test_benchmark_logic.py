@@ -1,6 +1,7 @@
 """The benchmarks' own logic on hand-built inputs (no MLflow, no training): precision pairing, standing verdicts."""
 
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -83,10 +84,49 @@ def test_a_speedup_row_pools_prompts_by_category_and_counts_what_the_drafts_gave
         "math": [completion(30, [1, 0], 1), completion(30, [2], 2)],
         "coding": [completion(60, [0]), completion(60)],
     }
-    (name, speedup, length, from_drafts, categories), values = row("`d`", served, alone)
+    (name, speedup, length, from_drafts, categories), values = row("`d`", [served], [alone])
     assert speedup.startswith("0.75 [") and length == "1.75" and from_drafts == "7.5%"
     assert categories == "math 0.500 [0.500, 0.500] · coding 1.000 [1.000, 1.000]"
     assert values["accepted_length"] == 1.75 and values["by_category"]["math"] == [0.5, 0.5, 0.5]
+
+
+def test_over_rounds_a_speedup_rows_interval_is_over_the_rounds_and_a_recipe_row_over_seeds():
+    """Two rounds of one prompt: speed-ups 0.5 and 0.7 give 0.6 with a t interval on 1 df (12.71 x se 0.1);
+    two seeds of one recipe with round means 0.6 and 0.8 give 0.7 over seeds, and a run of another recipe (another
+    learning rate) is not pooled with them."""
+    import dataclasses
+
+    from benchmarks.serving.speedup import recipe_rows, row
+    from harness.presets import preset_run
+    from harness.serving.draft import ServedDraft
+
+    alone = [{"chat": [100.0]}, {"chat": [100.0]}]
+    (_, speedup, *_), values = row("`d`", [{"chat": [completion(50)]}, {"chat": [completion(70)]}], alone)
+    assert values["rounds"] == [0.5, 0.7] and speedup == "0.60 [-0.67, 1.87]"
+    assert values["speedup"][1] == pytest.approx(0.6 - 12.7062 * 0.1, abs=1e-3)
+
+    class Trained:  # what recipe_rows reads of a TrainedRun
+        def __init__(self, name, config):
+            self.run, self.config = type("R", (), {"name": name})(), config
+
+    base = preset_run("small", "dflash2", "smollm2-135m")
+    configs = {
+        "s0": base,
+        "s1": dataclasses.replace(base, train=dataclasses.replace(base.train, seed=1)),
+        "lr": dataclasses.replace(base, train=dataclasses.replace(base.train, learning_rate=0.1)),
+    }
+    served = [
+        (ServedDraft(name, "dflash2", Path(f"{name}.gguf"), 3, "draft-dflash"), Trained(name, config))
+        for name, config in configs.items()
+    ]
+    found = {
+        draft.label: {"rounds": rounds, "accepted_length": 1.5, "tokens_from_drafts": 0.2}
+        for (draft, _), rounds in zip(served, ([0.5, 0.7], [0.8, 0.8], [0.1, 0.1]), strict=True)
+    }
+    ((cells, pooled),) = recipe_rows(served, found)
+    assert pooled["seed_means"] == pytest.approx([0.6, 0.8]) and pooled["speedup"][0] == pytest.approx(0.7)
+    assert pooled["speedup"][1] == pytest.approx(0.7 - 12.7062 * 0.1, abs=1e-3)
+    assert cells[0].startswith("**recipe** `s0`, `s1` (2 seeds x 2 rounds") and cells[2:4] == ["1.50", "20.0%"]
 
 
 def test_the_target_alone_is_the_mean_of_its_passes_before_and_after_the_drafts():

@@ -3,6 +3,7 @@ behave like llama.cpp's converter and server where it matters); the real engine'
 tests/test_decode_e2e.py."""
 
 import json
+import math
 import os
 import re
 import signal
@@ -538,6 +539,20 @@ def test_the_break_even_of_a_stand_in_engine_with_a_known_cycle_cost_is_that_cos
     metrics = found.metrics()
     assert metrics["break_even_accepted_length"] == found.length and metrics["synthetic_8_speedup"] > 2
     assert found.text().startswith("3.50 [")
+    alone = measure(session, tmp_path / "t.gguf", draft, prompts[:1], 8, lengths=(1, 3, 5, 8))
+    assert alone.length == pytest.approx(3.5) and math.isnan(alone.low) and math.isnan(alone.high)
+    assert alone.text() == "3.50 (no interval: one prompt)"  # not a crossing that never comes
+
+
+def test_the_served_verdict_line_states_the_break_even_with_its_interval_or_says_it_has_none():
+    from harness.cli import served_verdict
+    from harness.serving import metrics as names
+
+    metrics = {names.ACCEPTED_GREEDY: 1.3, names.BREAK_EVEN: 1.9, names.CYCLE_COST: 1.8}
+    bounded = {**metrics, names.low(names.BREAK_EVEN): 1.8, names.high(names.BREAK_EVEN): math.inf}
+    assert "break-even on this machine 1.90 [1.80, not reached]: 0.60 accepted tokens" in served_verdict(bounded)
+    unknown = {**metrics, names.low(names.BREAK_EVEN): math.nan, names.high(names.BREAK_EVEN): math.nan}
+    assert "break-even on this machine 1.90 (no interval: one prompt)" in served_verdict(unknown)
 
 
 HOLDS_A_LOCK = """\

@@ -1,11 +1,15 @@
 """The served speed-up as users measure it: tokens/s with a trained draft over the target alone, in llama.cpp, on
 MT-bench first turns by category and held-out chat prompts, at T = 0 and a fixed number of new tokens (or up to each
-reply's end, `--until-eos`), with a 95% interval over prompts, each drafter paired with the target alone timed
+reply's end, `--until-eos`), with a 95% interval, each drafter paired with the target alone timed
 before and after it; beside it, in the same run and on the same prompts, llama.cpp's training-free speculation
 (the n-gram types), and the draft's break-even on this machine. With the f32 target (the agreement check's setting)
 and the shipped Q4_1 target (what a user serves).
 
     python -m benchmarks.serving.speedup --workdir work --run RUN      # a record for benchmarks/serving/SPEEDUP.md
+    python -m benchmarks.serving.speedup --run SEED0 --run SEED1 --rounds 2   # seed and launch noise inside
+
+With `--rounds R` everything is served R times, each round in fresh launches, and a drafter's interval is over its
+rounds; runs that differ only in their training seed are pooled into a recipe row whose interval is over seeds.
 
 Run it on a quiet machine: it times decoding.
 """
@@ -13,6 +17,8 @@ Run it on a quiet machine: it times decoding.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -33,7 +39,7 @@ from harness.serving.server import Completion, Session, complete_all
 from harness.serving.timing import bracketed, mean_speed
 from harness.targets import embedded_gguf_path
 from harness.train import TrainedRun
-from harness.uncertainty import ratio_estimate
+from harness.uncertainty import mean_estimate, ratio_estimate
 
 GROUP, PAGE = "serving", "SPEEDUP"
 CHAT = "chat (held-out)"
@@ -47,33 +53,76 @@ def prompts_by_category(tokenizer, per_category: int) -> dict[str, list[list[int
     return dict(found)
 
 
-def row(name: str, served: dict[str, list[Completion]], alone: dict[str, list[float]]) -> tuple[list[str], dict]:
-    """Speed-up overall and per category against the bracketed alone speeds, and what the drafts did: accepted
-    length over drafting cycles, and the share of generated tokens that came from accepted drafts; with the raw
-    numbers."""
-    overall = ratio_estimate(
-        [c.tokens_per_s for group in served.values() for c in group], [v for group in alone.values() for v in group]
-    )
-    completions = [c for group in served.values() for c in group]
+def row(name: str, rounds: list[dict[str, list[Completion]]], alone: list[dict[str, list[float]]]) -> tuple[list, dict]:
+    """Speed-up overall and per category against the bracketed alone speeds of the same round, and what the drafts
+    did: accepted length over drafting cycles, and the share of generated tokens that came from accepted drafts;
+    with the raw numbers. Over several rounds the overall interval is over the rounds' speed-ups (launch noise
+    inside); within one, over prompts."""
+    per_round = [
+        ratio_estimate(
+            [c.tokens_per_s for group in served.values() for c in group],
+            [v for group in speeds.values() for v in group],
+        )
+        for served, speeds in zip(rounds, alone, strict=True)
+    ]
+    overall = per_round[0] if len(per_round) == 1 else mean_estimate([e.value for e in per_round])
+    completions = [c for served in rounds for group in served.values() for c in group]
     cycles = [a for c in completions for a in c.accepted]
     tokens = sum(len(c.tokens) for c in completions)
     by_category = {
-        category: ratio_estimate([c.tokens_per_s for c in served[category]], group) for category, group in alone.items()
+        category: ratio_estimate(
+            [c.tokens_per_s for served in rounds for c in served[category]],
+            [v for speeds in alone for v in speeds[category]],
+        )
+        for category in alone[0]
     }
     per_category = " · ".join(f"{category} {found.text()}" for category, found in by_category.items())
-    cells = [
-        name,
-        overall.text(),
-        f"{accepted_length(cycles):.2f}" if cycles else "no drafts",
-        f"{sum(c.draft_n_accepted for c in completions) / tokens:.1%}" if tokens else "-",
-        per_category,
-    ]
     values = {
         served_names.SPEEDUP: [overall.value, overall.low, overall.high],
+        "rounds": [e.value for e in per_round],
         "accepted_length": accepted_length(cycles) if cycles else None,
+        "tokens_from_drafts": sum(c.draft_n_accepted for c in completions) / tokens if tokens else None,
         "by_category": {category: [e.value, e.low, e.high] for category, e in by_category.items()},
     }
-    return cells, values
+    return [name, overall.text(), *drafting_cells(values), per_category], values
+
+
+def drafting_cells(values: dict) -> list[str]:
+    """A row's accepted length and share of tokens from drafts, as the table shows them."""
+    accepted, share = values["accepted_length"], values["tokens_from_drafts"]
+    return [f"{accepted:.2f}" if accepted is not None else "no drafts", f"{share:.1%}" if share is not None else "-"]
+
+
+def recipe_rows(drafts: list[tuple[ServedDraft, TrainedRun]], found: dict[str, dict]) -> list[tuple[list, dict]]:
+    """One row per recipe served at two or more training seeds (runs whose configs differ only in the seed, served
+    at the same vocabulary): the mean over seeds of each seed's mean over rounds, with a t interval over seeds, so
+    that seed and launch noise are both inside it."""
+    groups: dict[tuple[str, int | None], list[tuple[ServedDraft, TrainedRun]]] = defaultdict(list)
+    for draft, trained in drafts:
+        config = trained.config
+        recipe = dataclasses.replace(config, train=dataclasses.replace(config.train, seed=0)).fingerprint()
+        groups[recipe, draft.vocabulary].append((draft, trained))
+    rows = []
+    for members in groups.values():
+        if len({trained.config.train.seed for _, trained in members}) < 2:
+            continue
+        seed_means = [statistics.fmean(found[draft.label]["rounds"]) for draft, _ in members]
+        pooled = mean_estimate(seed_means)
+        rounds = len(found[members[0][0].label]["rounds"])
+        names = ", ".join(f"`{trained.run.name}`" for _, trained in members)
+        vocabulary = f", vocabulary {members[0][0].vocabulary}" if members[0][0].vocabulary else ""
+        name = f"**recipe** {names} ({len(members)} seeds x {rounds} round{'s' * (rounds > 1)}{vocabulary})"
+        weights = [found[draft.label] for draft, _ in members]
+        accepted = [w["accepted_length"] for w in weights if w["accepted_length"] is not None]
+        shares = [w["tokens_from_drafts"] for w in weights if w["tokens_from_drafts"] is not None]
+        values = {
+            served_names.SPEEDUP: [pooled.value, pooled.low, pooled.high],
+            "seed_means": seed_means,
+            "accepted_length": statistics.fmean(accepted) if accepted else None,
+            "tokens_from_drafts": statistics.fmean(shares) if shares else None,
+        }
+        rows.append(([name, pooled.text(), *drafting_cells(values), "-"], values))
+    return rows
 
 
 def log_name(draft: ServedDraft) -> str:
@@ -113,17 +162,18 @@ def measure(args: argparse.Namespace) -> Record:
             )
     workdir = runs[0].run.workdir
     target = runs[0].load_target()
-    drafts = [served_draft(engine, trained.run, trained.draft(target), target) for trained in runs]
+    served = [(served_draft(engine, trained.run, trained.draft(target), target), trained) for trained in runs]
     if args.vocabulary:  # each draft again over the tokens its training replies use most (FR-Spec)
         replies = prepare_documents(target, first.data, workdir).train
         try:
-            drafts += [
-                reduced_draft(engine, trained.run, draft, target, replies, size)
-                for trained, draft in zip(runs, list(drafts), strict=True)
+            served += [
+                (reduced_draft(engine, trained.run, draft, target, replies, size), trained)
+                for draft, trained in list(served)
                 for size in args.vocabulary
             ]
         except EngineError as error:
             raise SystemExit(f"error: {error}") from None
+    drafts = [draft for draft, _ in served]
     prompts = prompts_by_category(target.tokenizer, args.per_category)
     if args.chat and args.chat_data is None:  # the first run's held-out conversations, up to their first reply
         prompts[CHAT] = chat_prompt_ids(prepare_documents(target, first.data, workdir).validation, args.chat)
@@ -147,12 +197,18 @@ def measure(args: argparse.Namespace) -> Record:
             served = {label: serve() for label, serve in (reversed(jobs) if args.reverse else jobs)}
             return {label: served[label] for label, _ in jobs}  # the table's order, whichever ran first
 
-        timed = bracketed(lambda when, launches=launches: launches.serve(f"alone-{when}"), drafted)
-        alone = timed.alone_speeds()
-        rows = {name: row(name, completions, alone) for name, completions in timed.drafted.items()}
+        rounds = [  # each round launches every server afresh
+            bracketed(lambda when, launches=launches, r=r: launches.serve(f"alone-{when}-round{r}"), drafted)
+            for r in range(args.rounds)
+        ]
+        alone = [timed.alone_speeds() for timed in rounds]
+        rows = {name: row(name, [timed.drafted[name] for timed in rounds], alone) for name in rounds[0].drafted}
+        pooled = recipe_rows(served, {name: found for name, (_, found) in rows.items()})
         lines = break_evens(session, model, drafts, prompts, args)
-        values[key] = {"alone_tokens_per_s": [mean_speed(timed.before), mean_speed(timed.after)]}
+        speeds = [[mean_speed(timed.before), mean_speed(timed.after)] for timed in rounds]
+        values[key] = {"alone_tokens_per_s": speeds[0] if len(speeds) == 1 else speeds}
         values[key] |= {name.strip("`"): found for name, (_, found) in rows.items()}
+        values[key] |= {"recipes": [found for _, found in pooled]} if pooled else {}
         columns = [
             "drafter",
             "speed-up [95%]",
@@ -160,10 +216,10 @@ def measure(args: argparse.Namespace) -> Record:
             "tokens from drafts",
             "by category",
         ]
+        alone_text = "; ".join(f"{before:.1f} before the drafts, {after:.1f} after" for before, after in speeds)
         blocks += [
-            f"**{target_name} target**: alone {mean_speed(timed.before):.1f} tokens/s before the drafts, "
-            f"{mean_speed(timed.after):.1f} after ({(time.monotonic() - started) / 60:.0f} min).",
-            Table(columns, [cells for cells, _ in rows.values()]),
+            f"**{target_name} target**: alone {alone_text} tokens/s ({(time.monotonic() - started) / 60:.0f} min).",
+            Table(columns, [cells for cells, _ in [*rows.values(), *pooled]]),
             "\n\n".join(lines),
         ]
     count = sum(len(g) for g in prompts.values())
@@ -173,10 +229,24 @@ def measure(args: argparse.Namespace) -> Record:
         f"{count} prompts: MT-bench first turns ({args.per_category} per category, the first by question id) and "
         f"{args.chat} of {held_out(args)}, {reply_length(args)}, T = 0. Trained on {first.data.num_conversations} "
         f"conversations ({trained}). Each speed-up is paired by prompt with the target alone, timed before and after "
-        f"every drafter (the mean of the two); drafters served {order}."
+        f"every drafter (the mean of the two); drafters served {order}. {noise_text(args.rounds)}"
     )
     title = ", ".join(f"`{t.run.name}`" for t in runs)
     return Record(title, [about, *blocks], values, Provenance.now(engine=engine.commit))
+
+
+def noise_text(rounds: int) -> str:
+    """What a row's interval holds, as the benchmark's text states it."""
+    if rounds == 1:
+        return (
+            "One round: each interval is over prompts within one launch per server, so launch noise is not in it; a "
+            "recipe row (two or more seeds) is over seeds."
+        )
+    return (
+        f"{rounds} rounds, each launching every server afresh (alone, drafters, alone): each drafter's interval is "
+        "over its rounds' speed-ups, so launch noise is inside it; a recipe row is the mean over seeds of each "
+        "seed's mean over rounds, with a t interval over seeds, so seed and launch noise are both inside it."
+    )
 
 
 def break_evens(session: Session, model: Path, drafts: list[ServedDraft], prompts, args) -> list[str]:
@@ -257,6 +327,13 @@ def main() -> None:
         "and a reduced head; e.g. 8192 16384)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="serve everything this many times, each round in fresh launches (alone, drafters, alone), so that "
+        "launch noise is inside each interval (default: 1)",
+    )
+    parser.add_argument(
         "--reverse",
         action="store_true",
         help="serve the drafters in reverse order (a drift within a launch favours what runs later; two launches in "
@@ -264,6 +341,8 @@ def main() -> None:
     )
     page_argument(parser, GROUP, PAGE)
     args = parser.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"invalid --rounds={args.rounds}: allowed an integer >= 1")
     page = Page.named(GROUP, args.page or PAGE)
     found = measure(args)
     page.publish(found)

@@ -73,7 +73,10 @@ class BreakEven:
 
 
 def interval_text(length: float, low: float, high: float) -> str:
-    """`3.62 [3.41, 3.85]`; an upper bound whose speed-up never reaches 1 within the block reads `not reached`."""
+    """`3.62 [3.41, 3.85]`; an upper bound whose speed-up never reaches 1 within the block reads `not reached`;
+    unknown bounds (one prompt) read `no interval`."""
+    if math.isnan(low):
+        return f"{length:.2f} (no interval: one prompt)"
     return f"{length:.2f} [{low:.2f}, {'not reached' if math.isinf(high) else f'{high:.2f}'}]"
 
 
@@ -129,10 +132,12 @@ def measure(
         points.append(SpeedPoint(length, measured, ratio_estimate([c.tokens_per_s for c in done], alone)))
     points.sort(key=lambda point: point.accepted_length)
     measured_lengths = [p.accepted_length for p in points]
+    # One prompt gives no interval over prompts: its bounds are unknown (nan), not a crossing that never comes.
+    bounded = all(math.isfinite(p.speedup.low) for p in points)
     return BreakEven(
         alone_tokens_per_s=sum(alone) / len(alone),
         points=tuple(points),
         length=crossing(measured_lengths, [p.speedup.value for p in points]),
-        low=crossing(measured_lengths, [p.speedup.high for p in points]),
-        high=crossing(measured_lengths, [p.speedup.low for p in points]),
+        low=crossing(measured_lengths, [p.speedup.high for p in points]) if bounded else math.nan,
+        high=crossing(measured_lengths, [p.speedup.low for p in points]) if bounded else math.nan,
     )
