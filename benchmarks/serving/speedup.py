@@ -216,9 +216,13 @@ def measure(args: argparse.Namespace) -> Record:
             "tokens from drafts",
             "by category",
         ]
-        alone_text = "; ".join(f"{before:.1f} before the drafts, {after:.1f} after" for before, after in speeds)
+        alone_text = "; ".join(
+            (f"round {r + 1}: " if len(speeds) > 1 else "")
+            + f"{before:.1f} tokens/s before the drafts, {after:.1f} after"
+            for r, (before, after) in enumerate(speeds)
+        )
         blocks += [
-            f"**{target_name} target**: alone {alone_text} tokens/s ({(time.monotonic() - started) / 60:.0f} min).",
+            f"**{target_name} target**: alone {alone_text} ({(time.monotonic() - started) / 60:.0f} min).",
             Table(columns, [cells for cells, _ in [*rows.values(), *pooled]]),
             "\n\n".join(lines),
         ]
