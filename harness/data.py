@@ -216,7 +216,7 @@ def load_conversations(config: DataConfig, cache_dir: Path, target=None) -> tupl
     decontaminator = decontaminator_of(config)
     held = dict(validation_shares(config))
     validation, dropped = [], 0
-    for source, count in validation_shares(config):
+    for source, count in held.items():
         conversations, source_dropped = source_conversations(source, count, config, cache_dir, decontaminator)
         validation += conversations
         dropped += source_dropped

@@ -518,6 +518,7 @@ def test_the_crossing_is_read_by_linear_interpolation_between_measured_lengths()
     assert crossing([1, 3, 5], [0.3, 0.8, 1.2]) == pytest.approx(3 + 0.2 / 0.4 * 2)  # 4.0
     assert crossing([1, 3, 5], [0.3, 0.8, 0.9]) == float("inf"), "never reached within the block"
     assert crossing([1, 3], [1.1, 2.0]) == 1, "pays for itself at any length"
+    assert math.isnan(crossing([1, 3], [math.nan, math.nan])), "an unknown bound is unknown, not never reached"
     assert synthetic_lengths(7) == (1.0, 4.5, 8.0) and synthetic_lengths(4, count=5) == (1, 2, 3, 4, 5)
 
 

@@ -82,7 +82,9 @@ def interval_text(length: float, low: float, high: float) -> str:
 
 def crossing(lengths: Sequence[float], speedups: Sequence[float]) -> float:
     """The first length where the piecewise-linear speed-up reaches 1; inf if it never does, the first length if it
-    starts at or above 1."""
+    starts at or above 1; nan where a speed-up is unknown (the bound of an interval over one prompt)."""
+    if any(math.isnan(s) for s in speedups):
+        return math.nan
     if speedups[0] >= 1:
         return lengths[0]
     points = list(zip(lengths, speedups, strict=True))
@@ -132,12 +134,10 @@ def measure(
         points.append(SpeedPoint(length, measured, ratio_estimate([c.tokens_per_s for c in done], alone)))
     points.sort(key=lambda point: point.accepted_length)
     measured_lengths = [p.accepted_length for p in points]
-    # One prompt gives no interval over prompts: its bounds are unknown (nan), not a crossing that never comes.
-    bounded = all(math.isfinite(p.speedup.low) for p in points)
     return BreakEven(
         alone_tokens_per_s=sum(alone) / len(alone),
         points=tuple(points),
         length=crossing(measured_lengths, [p.speedup.value for p in points]),
-        low=crossing(measured_lengths, [p.speedup.high for p in points]) if bounded else math.nan,
-        high=crossing(measured_lengths, [p.speedup.low for p in points]) if bounded else math.nan,
+        low=crossing(measured_lengths, [p.speedup.high for p in points]),
+        high=crossing(measured_lengths, [p.speedup.low for p in points]),
     )
