@@ -875,9 +875,10 @@ def launch(
     enqueue_design(definition, study, claims)
     if others and device == "cpu":
         torch.set_num_threads(cpu_threads(len(others) + 1))
-    workspaces = Workspaces(workdir, device)
-    for config in definition.data_variants():  # every worker then finds each one's data and features cached
-        workspaces.of(config)
+    workspaces = Workspaces(workdir, device)  # built when a run needs one: a relaunch with nothing left loads nothing
+    if others:  # prepared before the workers start, so that each finds every variant's data and features cached
+        for config in definition.data_variants():
+            workspaces.of(config)
     mlflow.set_experiment(tracking.experiment_name(definition.name))
     runner = StudyRunner(definition, workspaces, study, parent, claims, device, system_metrics, url)
     workers = spawn_workers(study_file, others, workdir, url, system_metrics) if others else []

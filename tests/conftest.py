@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -137,6 +138,37 @@ def anchors_for(row: PackedRow, block_size: int = 4, max_anchors: int = 8, seed:
 E2E_CACHES = ("targets", "data", "features")  # what a work directory shares with another on the same inputs
 
 
+TINY_STUDY = Path(__file__).parent / "data" / "tiny_study.yaml"
+CLI = [sys.executable, "-m", "harness.cli"]
+
+
+def tiny_study_file(tmp_path: Path, name: str, **replacements) -> Path:
+    """The tiny study renamed `name`, with no best trial evaluated and each text replacement made."""
+    text = (
+        TINY_STUDY.read_text()
+        .replace("name: tiny", f"name: {name}")
+        .replace("evaluate: {best_trials: 1", "evaluate: {best_trials: 0")
+    )
+    for old, new in replacements.items():
+        text = text.replace(old, new)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def launch_study(study_file: Path, workdir: Path, *extra: str, cwd: Path, env=None, **kwargs):
+    """`dflash-lab study launch` as a subprocess in `cwd`; its completed process."""
+    return subprocess.run(
+        [*CLI, "study", "launch", str(study_file), "--workdir", str(workdir), *extra],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        timeout=900,
+        **kwargs,
+    )
+
+
 def link_caches(workdir, source) -> None:
     """Give `workdir` the converted target, data and feature caches of `source`, as links."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -197,6 +229,7 @@ def cli(capsys, monkeypatch):
 
 
 FILE_ORDER = (
+    "test_study_designs_e2e.py",
     "test_studies_e2e.py",
     "test_cli.py",
     "test_tracking.py",
