@@ -215,3 +215,44 @@ def test_the_main_job_record_takes_the_reports_ngram_table_as_rendered():
     assert found.startswith("**Beside llama.cpp's") and found.rstrip().endswith("| 1.10 ± 0.02 |")
     assert found.count("\n|") == 3 and "Next section" not in found
     assert NGRAM_TABLE.search("## Served\n\nno n-gram types here\n") is None
+
+
+def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_the_curves_rate():
+    """Hand-built records: the better recipe row (vocabulary 4096) is picked with the break-even of its own shape,
+    the gap is break-even minus accepted length, the split is in plain tokens, and the curve's rate is over the
+    trunks at the fewest and the most conversations (branches and other blocks left out)."""
+    from benchmarks.common.records import Record, Table
+    from benchmarks.serving.shortfall import shortfall_record
+
+    recipes = [
+        {"speedup": [0.70, 0.60, 0.80], "accepted_length": 1.30},
+        {"speedup": [0.80, 0.40, 1.20], "accepted_length": 1.40},
+    ]
+    rows = [["`a` (dflash2, block 4)"], ["**recipe** `a`, `b` (2 seeds x 2 rounds)"]]
+    rows.append(["**recipe** `a`, `b` (2 seeds x 2 rounds, vocabulary 4096)"])
+    lines = (
+        "Break-even of a block-4 draft (`draft-dflash`) on this target: accepted length 2.00 [1.90, 2.10] (cycle "
+        "cost 2.00 plain tokens).\n\nBreak-even of a block-4 draft (`draft-dflash`, drafting over 4096 tokens) on "
+        "this target: accepted length 1.80 [1.70, not reached] (cycle cost 1.60 plain tokens)."
+    )
+    served = Record("`a`, `b`", ["about", "f32 alone", Table(["drafter"], rows), lines], {"f32": {"recipes": recipes}})
+    columns = ["run", "block", "conversations (supervised tokens)", "served accepted length"]
+    curve_rows = [
+        ["`c160`", "4", "160 (9,520)", "1.20"],
+        ["`c1000`", "4", "1000 (67,616)", "1.30"],
+        ["`c16000` (branch of `x`)", "4", "16000 (1)", "9.00"],
+        ["`c16000-b2`", "2", "16000 (1)", "9.00"],
+        ["`c2560`", "4", "2560 (1)", "1.40"],
+    ]
+    curve = Record("The curve", [Table(columns, curve_rows)])
+    cycle = {"f32": {"plain_ms": 20.0, "block4": {"cycle_ms": 40.0, "verify_ms": 25.0, "draft_side_ms": 15.0}}}
+    found = shortfall_record([curve, served], [Record("Blocks 4", [], cycle)], "test").values
+
+    assert "vocabulary 4096" in found["best"]["label"] and found["best"]["speedup"] == [0.80, 0.40, 1.20]
+    assert found["break_even"][:2] == [1.80, 1.70] and math.isnan(found["break_even"][2])
+    assert found["cycle_cost"] == 1.60 and found["gap"] == pytest.approx(0.40)
+    assert found["split"] == {"plain_ms": 20.0, "verify": 1.25, "draft_side": 0.75, "cycle": 2.0}
+    # 160 -> 2560 conversations is two fourfold steps for +0.20: 0.10 per step, so the 0.40 gap is 4 more
+    assert found["curve"]["per_fourfold"] == pytest.approx(0.10) and found["curve"][
+        "fourfolds_needed"
+    ] == pytest.approx(4)

@@ -38,9 +38,10 @@ class Provenance:
     command: str
     torch: str
     engine: str | None = None  # llama.cpp's commit, for a served measurement
+    derived: bool = False  # read from other records, measuring nothing (the machine is where it was read)
 
     @classmethod
-    def now(cls, command: str | None = None, engine: str | None = None) -> Provenance:
+    def now(cls, command: str | None = None, engine: str | None = None, derived: bool = False) -> Provenance:
         import torch
 
         return cls(
@@ -52,12 +53,15 @@ class Provenance:
             command=command or "python -m " + " ".join([module_of(sys.argv[0]), *sys.argv[1:]]),
             torch=torch.__version__,
             engine=engine,
+            derived=derived,
         )
 
     def line(self) -> str:
         flags = ", ".join(self.cpu_flags) or "no AVX2"
         engine = f", llama.cpp {self.engine[:9]}" if self.engine else ""
         commit = f"commit {self.commit}" if self.commit else "no commit recorded"
+        if self.derived:
+            return f"*Read {self.date} from recorded results, nothing measured, {commit}: `{self.command}`.*"
         return (
             f"*Measured {self.date} on {self.cpu} ({self.cores} cores; {flags}), torch {self.torch}{engine}, "
             f"{commit}: `{self.command}`.*"

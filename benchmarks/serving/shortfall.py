@@ -1,0 +1,197 @@
+"""Where the best served drafter stands against what it needs: a record on SPEEDUP.md read from records already
+there, measuring nothing. It names the best recipe row (seed and launch noise inside its interval) and the
+break-even of its draft shape from the same launch, splits that shape's cycle as CYCLE_COST.md measured it, and
+reads the served-accepted-length curve over training data for what closing the gap would take.
+
+    python -m benchmarks.serving.shortfall
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import statistics
+from dataclasses import dataclass
+
+from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
+
+GROUP, PAGE, CYCLE_PAGE = "serving", "SPEEDUP", "CYCLE_COST"
+TARGET = "f32"  # the target the issue's verdict is about (the agreement check's)
+# The break-even line speedup.py writes under each target's table.
+BREAK_EVEN_LINE = re.compile(
+    r"Break-even of a block-(?P<block>\d+) draft \(`[^`]+`(?:, drafting over (?P<vocabulary>\d+) tokens)?\) on this "
+    r"target: accepted length (?P<value>[\d.]+) \[(?P<low>[\d.]+|not reached), (?P<high>[\d.]+|not reached)\] "
+    r"\(cycle cost (?P<cycle>[\d.]+) plain tokens\)"
+)
+RECIPE_VOCABULARY = re.compile(r"vocabulary (\d+)\)$")
+CURVE_COLUMNS = ("run", "block", "conversations (supervised tokens)", "served accepted length")
+
+
+@dataclass(frozen=True)
+class BreakEven:
+    block: int
+    vocabulary: int | None
+    value: float
+    low: float  # nan where the record says "not reached"
+    high: float
+    cycle_cost: float  # plain target tokens per cycle at accepted length 1
+
+
+@dataclass(frozen=True)
+class BestRecipe:
+    label: str
+    speedup: tuple[float, float, float]  # value, low, high
+    accepted_length: float
+    break_even: BreakEven
+    record_title: str
+
+
+def bound(text: str) -> float:
+    return float("nan") if text == "not reached" else float(text)
+
+
+def break_evens(text: str) -> list[BreakEven]:
+    """Every break-even line in a record's text."""
+    return [
+        BreakEven(
+            int(m["block"]),
+            int(m["vocabulary"]) if m["vocabulary"] else None,
+            float(m["value"]),
+            bound(m["low"]),
+            bound(m["high"]),
+            float(m["cycle"]),
+        )
+        for m in BREAK_EVEN_LINE.finditer(text)
+    ]
+
+
+def best_recipe(records: list[Record], target: str = TARGET) -> BestRecipe:
+    """The recipe row with the highest speed-up on `target` in the latest record that has recipe rows, with the
+    break-even of its shape measured in the same launch."""
+    for record in reversed(records):
+        recipes = record.values.get(target, {}).get("recipes")
+        if not recipes:
+            continue
+        index = list(record.values).index(target)  # one table per target, in the order measured
+        tables = [(i, b) for i, b in enumerate(record.blocks) if isinstance(b, Table)]
+        position, table = tables[index]
+        labels = [row[0] for row in table.rows if row[0].startswith("**recipe**")]
+        label, found = max(zip(labels, recipes, strict=True), key=lambda pair: pair[1]["speedup"][0])
+        match = RECIPE_VOCABULARY.search(label)
+        vocabulary = int(match[1]) if match else None
+        lines = break_evens(str(record.blocks[position + 1]))
+        (shape,) = [line for line in lines if line.vocabulary == vocabulary]
+        return BestRecipe(label, tuple(found["speedup"]), found["accepted_length"], shape, record.title)
+    raise SystemExit(f"no record of benchmarks/{GROUP}/{PAGE}.md has recipe rows on the {target} target")
+
+
+def cycle_split(records: list[Record], block: int, target: str = TARGET) -> dict[str, float]:
+    """The latest measured split of a block's cycle on `target`, in plain target tokens."""
+    for record in reversed(records):
+        found = record.values.get(target, {})
+        if f"block{block}" in found:
+            cycle, plain = found[f"block{block}"], found["plain_ms"]
+            return {
+                "plain_ms": plain,
+                "verify": cycle["verify_ms"] / plain,
+                "draft_side": cycle["draft_side_ms"] / plain,
+                "cycle": cycle["cycle_ms"] / plain,
+                "record": record.title,
+            }
+    raise SystemExit(f"no record of benchmarks/{GROUP}/{CYCLE_PAGE}.md splits a block-{block} cycle on {target}")
+
+
+def curve_rate(records: list[Record], block: int) -> dict | None:
+    """Served accepted length per fourfold training conversations at `block`, from the latest curve record: the
+    runs at the fewest and the most conversations (their trunks, not WSD branches), each count's mean."""
+    for record in reversed(records):
+        for table in (b for b in record.blocks if isinstance(b, Table)):
+            if not all(column in table.columns for column in CURVE_COLUMNS):
+                continue
+            at = {column: table.columns.index(column) for column in CURVE_COLUMNS}
+            by_count: dict[int, list[float]] = {}
+            for row in table.rows:
+                if "(branch of" in row[at["run"]] or int(row[at["block"]]) != block:
+                    continue
+                count = int(row[at["conversations (supervised tokens)"]].split()[0])
+                by_count.setdefault(count, []).append(float(row[at["served accepted length"]]))
+            if len(by_count) < 2:
+                continue
+            fewest, most = min(by_count), max(by_count)
+            low, high = statistics.fmean(by_count[fewest]), statistics.fmean(by_count[most])
+            fourfolds = math.log(most / fewest, 4)
+            return {"fewest": fewest, "most": most, "low": low, "high": high, "per_fourfold": (high - low) / fourfolds}
+    return None
+
+
+def shortfall_record(speedup_records: list[Record], cycle_records: list[Record], command: str | None = None) -> Record:
+    best = best_recipe(speedup_records)
+    shape = best.break_even
+    split = cycle_split(cycle_records, shape.block)
+    curve = curve_rate(speedup_records, shape.block)
+    gap = shape.value - best.accepted_length
+    value, low, high = best.speedup
+    blocks = [
+        f"Read from the records above and from `{CYCLE_PAGE}.md`; nothing new was measured. **Best reached** on the "
+        f"{TARGET} target: {best.label} (record {best.record_title}), speed-up {value:.3f} [{low:.3f}, {high:.3f}], "
+        f"{'above' if low > 1 else 'not above'} 1, at {best.accepted_length:.2f} accepted tokens per cycle. "
+        f"**Break-even** of its shape in the same launch (block {shape.block}"
+        f"{f', {shape.vocabulary}-token draft vocabulary' if shape.vocabulary else ''}): {shape.value:.2f} "
+        f"[{shape.low:.2f}, {shape.high:.2f}], a cycle costing {shape.cycle_cost:.2f} plain tokens. It needs "
+        f"**{gap:.2f} more accepted tokens per cycle** to break even.",
+        Table(
+            [f"part of a block-{shape.block} cycle (`{split['record']}`, accepted length 1)", "plain tokens"],
+            [
+                ["the verify batch (the target on the block's positions)", f"{split['verify']:.2f}"],
+                [
+                    "the draft side (K/V injection, block decode, vocabulary head, host work)",
+                    f"{split['draft_side']:.2f}",
+                ],
+                ["the whole cycle (whole-vocabulary head)", f"{split['cycle']:.2f}"],
+            ],
+        ),
+        f"The verify batch alone costs {split['verify']:.2f} plain tokens ({split['plain_ms']:.1f} ms a plain "
+        f"token): a draft whose side cost nothing would still need {split['verify']:.2f} accepted tokens per cycle.",
+    ]
+    values = {
+        "best": {"label": best.label, "speedup": list(best.speedup), "accepted_length": best.accepted_length},
+        "break_even": [shape.value, shape.low, shape.high],
+        "cycle_cost": shape.cycle_cost,
+        "gap": gap,
+        "split": {k: v for k, v in split.items() if k != "record"},
+    }
+    if curve and curve["per_fourfold"] > 0:
+        fourfolds = gap / curve["per_fourfold"]
+        conversations = curve["most"] * 4**fourfolds
+        blocks.append(
+            f"**What the curve says** (an extrapolation from two points, not measured): served accepted length rose "
+            f"{curve['per_fourfold']:+.3f} per fourfold training conversations, {curve['low']:.2f} at "
+            f"{curve['fewest']} and {curve['high']:.2f} at {curve['most']} (the latest curve record, chit-chat data "
+            f"and its own prompts). At that rate the gap of {gap:.2f} takes {fourfolds:.1f} more fourfold steps, about "
+            f"{conversations:,.0f} conversations: more data of one kind alone does not close it within this CPU's "
+            "budget; the cycle's cost has to fall, or the acceptance per conversation rise."
+        )
+        values["curve"] = curve | {"fourfolds_needed": fourfolds}
+    elif curve:
+        blocks.append(
+            f"**What the curve says**: served accepted length did not rise with data ({curve['low']:.2f} at "
+            f"{curve['fewest']} conversations, {curve['high']:.2f} at {curve['most']}), so it gives no rate to "
+            "extrapolate."
+        )
+        values["curve"] = curve
+    else:
+        blocks.append(f"**What the curve says**: no curve record at block {shape.block} on this page.")
+    return Record("Where the best drafter falls short", blocks, values, Provenance.now(command, derived=True))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    page_argument(parser, GROUP, PAGE)
+    args = parser.parse_args(argv)
+    page = Page.named(GROUP, args.page or PAGE)
+    page.publish(shortfall_record(page.records(), Page.named(GROUP, CYCLE_PAGE).records()))
+
+
+if __name__ == "__main__":
+    main()
