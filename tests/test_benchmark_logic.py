@@ -127,6 +127,14 @@ def test_over_rounds_a_speedup_rows_interval_is_over_the_rounds_and_a_recipe_row
     assert pooled["seed_means"] == pytest.approx([0.6, 0.8]) and pooled["speedup"][0] == pytest.approx(0.7)
     assert pooled["speedup"][1] == pytest.approx(0.7 - 12.7062 * 0.1, abs=1e-3)
     assert cells[0].startswith("**recipe** `s0`, `s1` (2 seeds x 2 rounds") and cells[2:4] == ["1.50", "20.0%"]
+    # the same two seeds with a confidence cut are a recipe of their own, not pooled with the uncut drafts
+    cut = [(dataclasses.replace(d, name=f"{d.name} (p-min 0.5)", confidence_cut=0.5), t) for d, t in served[:2]]
+    found |= {
+        draft.label: {"rounds": [0.9, 0.9], "accepted_length": 2.0, "tokens_from_drafts": 0.5} for draft, _ in cut
+    }
+    rows = recipe_rows(served + cut, found)
+    assert [values["speedup"][0] for _, values in rows] == pytest.approx([0.7, 0.9])
+    assert rows[1][0][0].endswith("(2 seeds x 2 rounds, p-min 0.5)")
 
 
 def test_the_target_alone_is_the_mean_of_its_passes_before_and_after_the_drafts():
@@ -190,7 +198,8 @@ def test_the_cycle_cost_reads_the_head_and_the_weights_from_the_gguf():
     assert 49152 * 576 <= head <= 49152 * 576 * 1.1  # the tied head in Q8_0: 8.5 bits per weight
 
 
-def test_a_served_drafts_log_is_named_by_its_run_and_head_size_without_spaces():
+def test_a_served_drafts_log_is_named_by_its_run_head_size_and_confidence_cut_without_spaces():
+    import dataclasses
     from pathlib import Path
 
     from benchmarks.serving.speedup import log_name
@@ -199,6 +208,8 @@ def test_a_served_drafts_log_is_named_by_its_run_and_head_size_without_spaces():
     full = ServedDraft("run-a", "dflash2", Path("work/runs/run-a/served/draft-f32.gguf"), 3, "draft-dflash")
     reduced = ServedDraft("run-a (vocabulary 4096)", "dflash2", full.gguf.with_name("x.gguf"), 3, "draft-dflash", 4096)
     assert log_name(full) == "draft-run-a" and log_name(reduced) == "draft-run-a-vocab4096"
+    cut = dataclasses.replace(reduced, name="run-a (vocabulary 4096) (p-min 0.5)", confidence_cut=0.5)
+    assert log_name(cut) == "draft-run-a-vocab4096-pmin0.5"
 
 
 def test_the_main_job_record_takes_the_reports_ngram_table_as_rendered():

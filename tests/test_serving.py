@@ -2,6 +2,7 @@
 behave like llama.cpp's converter and server where it matters); the real engine's end-to-end test is in
 tests/test_decode_e2e.py."""
 
+import dataclasses
 import json
 import math
 import os
@@ -219,6 +220,19 @@ def test_a_server_computes_on_the_callers_thread_budget_and_names_every_thread_c
     assert flags == dict.fromkeys(flags, str(threads))
     alone = LlamaServer(engine, Path("t.gguf"), Path("log"), Path("records")).command()
     assert "-td" not in alone and alone[alone.index("-tb") + 1] == str(threads)
+
+
+def test_a_drafts_confidence_cut_reaches_the_server_and_is_off_unless_asked():
+    """ServedDraft.confidence_cut is llama.cpp's --spec-draft-p-min (0 otherwise: every cycle drafts its block)."""
+    from harness.serving.draft import ServedDraft
+    from harness.serving.server import Session
+
+    session = Session(Engine(root=Path("llama.cpp")), Path("records"), Path("logs"))
+    draft = ServedDraft("run", "dflash2", Path("d.gguf"), 3, "draft-dflash")
+    for served, expected in ((draft, "0"), (dataclasses.replace(draft, confidence_cut=0.35), "0.35")):
+        command = session.server(Path("t.gguf"), "s", served).command()
+        assert command[command.index("--spec-draft-p-min") + 1] == expected
+        assert command[command.index("--spec-draft-n-max") + 1] == "3"
 
 
 # ---- the served path under kills and bad files (docs/faults.md, "The serving engine") ----------------------

@@ -10,6 +10,8 @@ and the shipped Q4_1 target (what a user serves).
 
 With `--rounds R` everything is served R times, each round in fresh launches, and a drafter's interval is over its
 rounds; runs that differ only in their training seed are pooled into a recipe row whose interval is over seeds.
+`--vocabulary N` adds each draft over its replies' N most frequent tokens, `--p-min P` each draft with llama.cpp's
+confidence cut at P (its cycles end at the first unconfident token, so the verify batch shrinks).
 
 Run it on a quiet machine: it times decoding.
 """
@@ -101,7 +103,7 @@ def recipe_rows(drafts: list[tuple[ServedDraft, TrainedRun]], found: dict[str, d
     for draft, trained in drafts:
         config = trained.config
         recipe = dataclasses.replace(config, train=dataclasses.replace(config.train, seed=0)).fingerprint()
-        groups[recipe, draft.vocabulary].append((draft, trained))
+        groups[recipe, draft.vocabulary, draft.confidence_cut].append((draft, trained))
     rows = []
     for members in groups.values():
         if len({trained.config.train.seed for _, trained in members}) < 2:
@@ -110,8 +112,11 @@ def recipe_rows(drafts: list[tuple[ServedDraft, TrainedRun]], found: dict[str, d
         pooled = mean_estimate(seed_means)
         rounds = len(found[members[0][0].label]["rounds"])
         names = ", ".join(f"`{trained.run.name}`" for _, trained in members)
-        vocabulary = f", vocabulary {members[0][0].vocabulary}" if members[0][0].vocabulary else ""
-        name = f"**recipe** {names} ({len(members)} seeds x {rounds} round{'s' * (rounds > 1)}{vocabulary})"
+        shown = members[0][0]
+        variant = (f", vocabulary {shown.vocabulary}" if shown.vocabulary else "") + (
+            f", p-min {shown.confidence_cut:g}" if shown.confidence_cut else ""
+        )
+        name = f"**recipe** {names} ({len(members)} seeds x {rounds} round{'s' * (rounds > 1)}{variant})"
         weights = [found[draft.label] for draft, _ in members]
         accepted = [w["accepted_length"] for w in weights if w["accepted_length"] is not None]
         shares = [w["tokens_from_drafts"] for w in weights if w["tokens_from_drafts"] is not None]
@@ -126,8 +131,13 @@ def recipe_rows(drafts: list[tuple[ServedDraft, TrainedRun]], found: dict[str, d
 
 
 def log_name(draft: ServedDraft) -> str:
-    """`draft-RUN` or `draft-RUN-vocab4096`: a server log's name, without the label's spaces."""
-    return f"draft-{draft.gguf.parent.parent.name}" + (f"-vocab{draft.vocabulary}" if draft.vocabulary else "")
+    """`draft-RUN`, `draft-RUN-vocab4096`, `draft-RUN-vocab4096-pmin0.5`: a server log's name, without the label's
+    spaces."""
+    return (
+        f"draft-{draft.gguf.parent.parent.name}"
+        + (f"-vocab{draft.vocabulary}" if draft.vocabulary else "")
+        + (f"-pmin{draft.confidence_cut:g}" if draft.confidence_cut else "")
+    )
 
 
 @dataclass
@@ -173,6 +183,11 @@ def measure(args: argparse.Namespace) -> Record:
             ]
         except EngineError as error:
             raise SystemExit(f"error: {error}") from None
+    served += [  # each draft again with llama.cpp's confidence cut (--spec-draft-p-min)
+        (dataclasses.replace(draft, name=f"{draft.name} (p-min {cut:g})", confidence_cut=cut), trained)
+        for draft, trained in list(served)
+        for cut in args.p_min
+    ]
     drafts = [draft for draft, _ in served]
     prompts = prompts_by_category(target.tokenizer, args.per_category)
     if args.chat and args.chat_data is None:  # the first run's held-out conversations, up to their first reply
@@ -235,6 +250,11 @@ def measure(args: argparse.Namespace) -> Record:
         f"conversations ({trained}). Each speed-up is paired by prompt with the target alone, timed before and after "
         f"every drafter (the mean of the two); drafters served {order}. {noise_text(args.rounds)}"
     )
+    if args.p_min:
+        about += (
+            " A p-min drafter's cycle drafts up to its first token below that confidence, or nothing (a plain "
+            "step), so the break-even lines below, measured at p-min 0, are not its own."
+        )
     title = ", ".join(f"`{t.run.name}`" for t in runs)
     return Record(title, [about, *blocks], values, Provenance.now(engine=engine.commit))
 
@@ -331,6 +351,14 @@ def main() -> None:
         "and a reduced head; e.g. 8192 16384)",
     )
     parser.add_argument(
+        "--p-min",
+        type=float,
+        nargs="*",
+        default=[],
+        help="also serve each draft (and each reduced one) with llama.cpp's --spec-draft-p-min at each value: a "
+        "cycle's draft ends at its first token less confident than it (e.g. 0.3 0.6)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -347,6 +375,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         raise SystemExit(f"invalid --rounds={args.rounds}: allowed an integer >= 1")
+    for cut in args.p_min:
+        if not 0 < cut < 1:
+            raise SystemExit(f"invalid --p-min={cut:g}: allowed a probability between 0 and 1, exclusive")
     page = Page.named(GROUP, args.page or PAGE)
     found = measure(args)
     page.publish(found)

@@ -30,6 +30,9 @@ class ServedDraft:
     block: int  # drafted tokens per cycle: the block less its first slot when that holds the verified token
     spec_type: str
     vocabulary: int | None = None  # drafts over this many tokens only (a d2t map); None: the whole vocabulary
+    # llama.cpp's --spec-draft-p-min: a cycle's draft ends at its first token less confident than this, and a
+    # cycle left with none decodes one plain token (0: every cycle drafts the whole block)
+    confidence_cut: float = 0.0
 
     @property
     def label(self) -> str:

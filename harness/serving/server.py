@@ -144,6 +144,7 @@ class LlamaServer:
         threads: int | None = None,
         port: int | None = None,
         synthetic_length: float | None = None,
+        confidence_cut: float = 0.0,
         slots: int = 1,
         context: int = CONTEXT,
     ) -> None:
@@ -152,6 +153,7 @@ class LlamaServer:
         # llama.cpp's --spec-synth-len: the real draft and verify run, the accept decision is drawn to reach this
         # mean accepted length (benchmarking only: the output is not the target's)
         self.synthetic_length = synthetic_length
+        self.confidence_cut = confidence_cut  # --spec-draft-p-min (ServedDraft.confidence_cut)
         self.slots, self.context = slots, context  # parallel sequences (continuous batching), their total context
         self.draft_tokens, self.spec_type = draft_tokens, spec_type
         self.threads = threads or thread_budget()
@@ -175,7 +177,7 @@ class LlamaServer:
         if self.spec_type is not None:  # a draft model's type, or a training-free one (ngram-mod, ...) alone
             command += ["--spec-type", self.spec_type]
         if self.draft_tokens:
-            command += ["--spec-draft-n-max", str(self.draft_tokens), "--spec-draft-p-min", "0"]
+            command += ["--spec-draft-n-max", str(self.draft_tokens), "--spec-draft-p-min", f"{self.confidence_cut:g}"]
             if self.synthetic_length is not None:
                 command += ["--spec-synth-len", f"{self.synthetic_length:g}"]
         return command
@@ -390,6 +392,8 @@ class Session:
     def server(self, model: Path, name: str, draft: ServedDraft | None = None, **options) -> LlamaServer:
         """A server of `model` logging to `<logs>/<name>.log`, with the run's draft (or an n-gram `spec_type`)."""
         drafter = (draft.gguf, draft.block, draft.spec_type) if draft is not None else ()
+        if draft is not None:
+            options.setdefault("confidence_cut", draft.confidence_cut)
         return LlamaServer(self.engine, model, self.logs / f"{name}.log", self.records, *drafter, **options)
 
 
