@@ -356,6 +356,8 @@ def mlflow_server(backend_store_uri: str, *options: str):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        # no job runner: seven consumer processes (5 s of CPU each at start) that these tests never use
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
     )
     try:
         deadline = time.time() + 120

@@ -227,7 +227,9 @@ def test_llama_cpp_serves_the_run_and_agrees_with_the_harness_cycle_by_cycle(
     result = served_runs[algorithm]
     run = Run.at(result.run_dir)
     draft = result.draft
-    config = EvalConfig(num_prompts=2, max_new_tokens=32, temperatures=(0.0, 1.0))
+    # T = 1 through the engine once (DFlash2): its sampled path is the same for every draft type
+    sampled = algorithm == "dflash2"
+    config = EvalConfig(num_prompts=2, max_new_tokens=32, temperatures=(0.0, 1.0) if sampled else (0.0,))
     metrics, records = serve_and_compare(
         engine, run, e2e_workspace.target, draft, e2e_workspace.data.validation, config
     )
@@ -252,8 +254,11 @@ def test_llama_cpp_serves_the_run_and_agrees_with_the_harness_cycle_by_cycle(
         metrics["break_even_accepted_length"] - metrics["accepted_length_greedy"]
     )
     assert 1.0 <= metrics["accepted_length_greedy"] <= draft.block_size
-    assert 1.0 <= metrics["accepted_length_t1"] <= draft.block_size  # served at T = 1 ...
-    assert 1.0 <= metrics["harness_accepted_length_t1"] <= draft.block_size  # ... beside the harness at T = 1
+    if sampled:
+        assert 1.0 <= metrics["accepted_length_t1"] <= draft.block_size  # served at T = 1 ...
+        assert 1.0 <= metrics["harness_accepted_length_t1"] <= draft.block_size  # ... beside the harness at T = 1
+    else:
+        assert "accepted_length_t1" not in metrics and "harness_accepted_length_t1" not in metrics
     # the per-cycle trace lines add up to the server's own per-request totals
     assert sum(r["served_draft_n_accepted"] for r in records) == sum(sum(r["served_accepted"]) for r in records)
     assert sum(r["served_draft_n"] for r in records) == sum(sum(r["served_drafted"]) for r in records)
