@@ -183,6 +183,8 @@ def measure(args: argparse.Namespace) -> Record:
             ]
         except EngineError as error:
             raise SystemExit(f"error: {error}") from None
+        if args.reduced_only:  # the whole-vocabulary drafts measured before: their launches are not spent again
+            served = [(draft, trained) for draft, trained in served if draft.vocabulary]
     served += [  # each draft again with llama.cpp's confidence cut (--spec-draft-p-min)
         (dataclasses.replace(draft, name=f"{draft.name} (p-min {cut:g})", confidence_cut=cut), trained)
         for draft, trained in list(served)
@@ -351,6 +353,11 @@ def main() -> None:
         "and a reduced head; e.g. 8192 16384)",
     )
     parser.add_argument(
+        "--reduced-only",
+        action="store_true",
+        help="with --vocabulary: serve only the reduced drafts, not each run's whole-vocabulary one",
+    )
+    parser.add_argument(
         "--p-min",
         type=float,
         nargs="*",
@@ -375,6 +382,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         raise SystemExit(f"invalid --rounds={args.rounds}: allowed an integer >= 1")
+    if args.reduced_only and not args.vocabulary:
+        raise SystemExit("invalid --reduced-only without --vocabulary: allowed with --vocabulary N")
     for cut in args.p_min:
         if not 0 < cut < 1:
             raise SystemExit(f"invalid --p-min={cut:g}: allowed a probability between 0 and 1, exclusive")
