@@ -260,10 +260,18 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
     found = shortfall_record([curve, served], [Record("Blocks 4", [], cycle)], "test").values
 
     assert "vocabulary 4096" in found["best"]["label"] and found["best"]["speedup"] == [0.80, 0.40, 1.20]
+    assert found["uncut"] == found["best"]
     assert found["break_even"][:2] == [1.80, 1.70] and math.isnan(found["break_even"][2])
     assert found["cycle_cost"] == 1.60 and found["gap"] == pytest.approx(0.40)
     assert found["split"] == {"plain_ms": 20.0, "verify": 1.25, "draft_side": 0.75, "cycle": 2.0}
     # 160 -> 2560 conversations is two fourfold steps for +0.20: 0.10 per step, so the 0.40 gap is 4 more
-    assert found["curve"]["per_fourfold"] == pytest.approx(0.10) and found["curve"][
-        "fourfolds_needed"
-    ] == pytest.approx(4)
+    assert found["curve"]["per_fourfold"] == pytest.approx(0.10)
+    assert found["curve"]["fourfolds_needed"] == pytest.approx(4)
+
+    # A confidence cut (p-min) that serves faster is the best, but the gap is the uncut drafts' in the same launch:
+    # no synthetic break-even is a cut cycle's own
+    recipes.append({"speedup": [0.90, 0.85, 0.95], "accepted_length": 1.55})
+    rows.append(["**recipe** `a`, `b` (2 seeds x 2 rounds, vocabulary 4096, p-min 0.6)"])
+    found = shortfall_record([curve, served], [Record("Blocks 4", [], cycle)], "test").values
+    assert found["best"]["label"].endswith("p-min 0.6)") and found["best"]["accepted_length"] == 1.55
+    assert found["uncut"]["label"].endswith("vocabulary 4096)") and found["gap"] == pytest.approx(0.40)
