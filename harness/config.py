@@ -152,6 +152,9 @@ class EvalConfig:
     # a d2t map, FR-Spec): 0.88x against 0.62x with the whole vocabulary (benchmarks/serving/SPEEDUP.md); None: the
     # whole vocabulary. The compared serving keeps the whole one, which the harness's decode proposes from.
     served_vocabulary: int | None = None
+    # A served objective serves the draft with llama.cpp's confidence cut (--spec-draft-p-min): a cycle's draft ends
+    # at its first token less confident than this, and a cycle with none decodes a plain token; 0: no cut.
+    served_confidence_cut: float = 0.0
     # The compared serving also serves llama.cpp's n-gram types on the same prompts (four more launches and passes).
     ngram_peers: bool = False
     # A member with a confidence head (DSpark) sends the target only the draft prefix whose predicted

@@ -236,6 +236,13 @@ class EvaluateSection(Section):
         description="a served objective serves each run's draft over this many tokens, those its training replies "
         "use most (its own head and a d2t map); null: the whole vocabulary",
     )
+    served_confidence_cut: float = Field(
+        EvalConfig().served_confidence_cut,
+        ge=0,
+        lt=1,
+        description="a served objective serves each run's draft with llama.cpp's confidence cut (--spec-draft-p-min): "
+        "a cycle's draft ends at its first token less confident than this; 0: no cut",
+    )
     ngram_peers: bool = Field(
         EvalConfig().ngram_peers,
         description="the serving step also serves llama.cpp's n-gram types on the same prompts, beside each run",
@@ -473,6 +480,13 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
             file.evaluate.served_vocabulary,
             f"null without a served objective {sorted(served_names.OBJECTIVES)} (only its serving drafts over it)",
         )
+    if file.evaluate.served_confidence_cut and not any(o in served_names.OBJECTIVES for o in objectives):
+        raise _fail(
+            path,
+            "evaluate.served_confidence_cut",
+            file.evaluate.served_confidence_cut,
+            f"0 without a served objective {sorted(served_names.OBJECTIVES)} (only its serving cuts the drafts)",
+        )
     budget = file.budget
     steps = budget.steps_per_trial if budget.steps_per_trial is not None else run.train.max_steps
     budgets = _budgets(path, file, steps, design, run.train)
@@ -517,6 +531,7 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
             prompts=evaluate.prompts,
             served_rounds=evaluate.served_rounds,
             served_vocabulary=evaluate.served_vocabulary,
+            served_confidence_cut=evaluate.served_confidence_cut,
             ngram_peers=evaluate.ngram_peers,
         ),
         nproc_per_node=nproc_per_node,

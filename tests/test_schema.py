@@ -213,6 +213,20 @@ def test_a_reduced_served_vocabulary_needs_a_served_objective_and_at_least_two_t
         parse_study(_set(served, "evaluate.served_vocabulary", 1), "search.yaml")
 
 
+def test_a_served_confidence_cut_needs_a_served_objective_and_a_probability_below_one():
+    served = _set(
+        _set(SEARCH, "objective", "served_speedup"), "evaluate", {"serve": "llama.cpp", "served_confidence_cut": 0.6}
+    )
+    assert parse_study(served, "search.yaml").evaluation.served_confidence_cut == 0.6
+    assert parse_study(SEARCH, "search.yaml").evaluation.served_confidence_cut == 0.0  # no cut unless asked
+    with pytest.raises(
+        StudyDefinitionError, match=r"invalid field evaluate.served_confidence_cut=0.6: allowed 0 without"
+    ):
+        parse_study(_set(SEARCH, "evaluate", {"serve": "llama.cpp", "served_confidence_cut": 0.6}), "search.yaml")
+    with pytest.raises(StudyDefinitionError, match=r"invalid field evaluate.served_confidence_cut=1"):
+        parse_study(_set(served, "evaluate.served_confidence_cut", 1), "search.yaml")
+
+
 def test_a_sweep_over_the_data_needs_one_validation_set_and_prepares_each_mixture_once():
     data = yaml.safe_load((ROOT / "studies" / "data-mixture.yaml").read_text())
     definition = parse_study(data, "data-mixture.yaml")

@@ -15,6 +15,7 @@ import statistics
 from dataclasses import dataclass
 
 from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
+from harness.serving.metrics import SPEEDUP  # the key speedup.py records each row's speed-up under
 
 GROUP, PAGE, CYCLE_PAGE = "serving", "SPEEDUP", "CYCLE_COST"
 TARGET = "f32"  # the target the verdict is about (the agreement check's)
@@ -87,7 +88,7 @@ def best_recipe(records: list[Record], target: str = TARGET) -> BestRecipe:
         position, table = tables[index]
         labels = [row[0] for row in table.rows if row[0].startswith("**recipe**")]
         rows = {
-            label: RecipeRow(label, tuple(found["speedup"]), found["accepted_length"])
+            label: RecipeRow(label, tuple(found[SPEEDUP]), found["accepted_length"])
             for label, found in zip(labels, recipes, strict=True)
         }
         best = max(rows.values(), key=lambda row: row.speedup[0])
@@ -178,8 +179,8 @@ def shortfall_record(speedup_records: list[Record], cycle_records: list[Record],
         f"token): a draft whose side cost nothing would still need {split['verify']:.2f} accepted tokens per cycle.",
     ]
     values = {
-        "best": {"label": best.label, "speedup": list(best.speedup), "accepted_length": best.accepted_length},
-        "uncut": {"label": uncut.label, "speedup": list(uncut.speedup), "accepted_length": uncut.accepted_length},
+        "best": {"label": best.label, SPEEDUP: list(best.speedup), "accepted_length": best.accepted_length},
+        "uncut": {"label": uncut.label, SPEEDUP: list(uncut.speedup), "accepted_length": uncut.accepted_length},
         "break_even": [shape.value, shape.low, shape.high],
         "cycle_cost": shape.cycle_cost,
         "gap": gap,

@@ -10,6 +10,7 @@ accepts by token match; the harness samples the draft and verifies by rejection 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import statistics
@@ -165,7 +166,8 @@ def serve_speed_run(
 ) -> dict[str, float]:
     """Serve one run's draft for its speed alone (speed.py: rounds of fresh launches, no harness decode) and log
     it: what a study's served objective costs per trial. With `config.served_vocabulary` the draft proposes from the
-    tokens its training `replies` use most."""
+    tokens its training `replies` use most; with `config.served_confidence_cut` its cycles end at an unconfident
+    token."""
     check_servable(draft)
     sets = prompt_sets(target.tokenizer, chat_documents, config)
     check_prompts_fit(sets, config.max_new_tokens)
@@ -175,8 +177,12 @@ def serve_speed_run(
         served_as = served_draft(engine, run, draft, target)
         if config.served_vocabulary is not None:
             served_as = reduced_draft(engine, run, served_as, target, replies, config.served_vocabulary)
+        served_as = dataclasses.replace(served_as, confidence_cut=config.served_confidence_cut)
         speed = serve_speed(session, model, served_as, sets, config.max_new_tokens, config.served_rounds)
-        metrics = speed.metrics() | {names.VOCABULARY: config.served_vocabulary or target.spec.vocab_size}
+        metrics = speed.metrics() | {
+            names.VOCABULARY: config.served_vocabulary or target.spec.vocab_size,
+            names.CONFIDENCE_CUT: config.served_confidence_cut,
+        }
         log_served(run, engine, metrics, speed.records())
     return metrics
 

@@ -24,6 +24,7 @@ CYCLE_COST = "cycle_cost_plain_tokens"  # one draft-and-verify cycle's time in p
 ROUNDS = "speed_rounds"  # fresh launches (drafted and alone) the speed-up is the mean over; 1 for a compared serving
 LAUNCH_VARIANCE = "speedup_launch_variance"  # the round speed-ups' sample variance: launch-to-launch noise
 VOCABULARY = "draft_vocabulary"  # the tokens a speed-only serving's draft proposes from: all, or its reduced head's
+CONFIDENCE_CUT = "draft_confidence_cut"  # a speed-only serving's --spec-draft-p-min (0: every cycle drafts its block)
 
 
 # llama.cpp's training-free speculation, served beside a run's draft on the same prompts (compare.py, benchmarks).
@@ -117,6 +118,7 @@ NAMES = (
     ROUNDS,
     LAUNCH_VARIANCE,
     VOCABULARY,
+    CONFIDENCE_CUT,
     *OBJECTIVES,
     *(column for column in COLUMNS if column not in OBJECTIVES),
 )
