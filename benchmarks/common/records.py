@@ -56,6 +56,13 @@ class Provenance:
             derived=derived,
         )
 
+    def to_json(self) -> dict:
+        """Its fields, `derived` only where set: a measured record reads back as it was written before it existed."""
+        fields = asdict(self)
+        if not self.derived:
+            del fields["derived"]
+        return fields
+
     def line(self) -> str:
         flags = ", ".join(self.cpu_flags) or "no AVX2"
         engine = f", llama.cpp {self.engine[:9]}" if self.engine else ""
@@ -97,7 +104,7 @@ class Record:
     def to_json(self) -> dict:
         return {
             "title": self.title,
-            "provenance": asdict(self.provenance) if self.provenance else None,
+            "provenance": self.provenance.to_json() if self.provenance else None,
             "blocks": [{"table": asdict(b)} if isinstance(b, Table) else {"text": b} for b in self.blocks],
             "values": self.values,
         }
