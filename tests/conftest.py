@@ -418,20 +418,40 @@ def child_running(pid: int, word: str, within_s: float = 600):
     raise AssertionError(f"no process running {word} was started by {pid}")
 
 
-def started_server(workdir: Path, process: subprocess.Popen, log: Path | None = None, timeout_s: float = 600) -> int:
-    """The pid of the llama-server that `process` (a dflash-lab command) started in `workdir`, once it is recorded
-    there and, with `log`, once that server's log shows a request being processed."""
+def started_server(workdir: Path, process: subprocess.Popen, log: Path | None = None, timeout_s: float = 600) -> dict:
+    """The record (pid, port, owner) of the llama-server that `process` (a dflash-lab command) started in `workdir`,
+    once it is recorded there and, with `log`, once that server's log shows a request being processed."""
     from harness.run import server_records
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert process.poll() is None, f"the command ended ({process.returncode}) before its server started"
         for path in server_records(workdir).glob("*.json"):
-            record = json.loads(path.read_text())
+            try:
+                record = json.loads(path.read_text())
+            except FileNotFoundError:  # a server of the same command that stopped since the listing
+                continue
             if record["owner"] == process.pid and (log is None or "launch_slot_" in _text(log)):
-                return record["pid"]
+                return record
         time.sleep(0.05)
     raise AssertionError(f"no llama-server of process {process.pid} within {timeout_s} s")
+
+
+@pytest.fixture
+def spawn():
+    """Popen for a test's dflash-lab commands, killed at teardown if still running, so that a failed assertion
+    leaves no command behind to write into the shared workdir under the next test."""
+    processes: list[subprocess.Popen] = []
+
+    def start(args: list[str], **kwargs) -> subprocess.Popen:
+        processes.append(subprocess.Popen(args, **kwargs))
+        return processes[-1]
+
+    yield start
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def _text(path: Path) -> str:

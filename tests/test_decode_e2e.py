@@ -305,20 +305,19 @@ QUICK_EVALUATION = ["--num-prompts", "1", "--temperatures", "0"]
     [["serve", "serves-dspark"], ["evaluate", "serves-dspark", "--engine", "llama.cpp", *QUICK_EVALUATION]],
     ids=["serve", "evaluate"],
 )
-def test_a_sigkilled_command_leaves_no_llama_server(e2e_workdir, served_runs, command):
+def test_a_sigkilled_command_leaves_no_llama_server(e2e_workdir, served_runs, spawn, command):
     """SIGKILL gives the process no chance to stop its server: the kernel's parent-death signal does."""
-    process = subprocess.Popen([*CLI, *command, "--workdir", str(e2e_workdir)], stdout=subprocess.DEVNULL)
+    process = spawn([*CLI, *command, "--workdir", str(e2e_workdir)], stdout=subprocess.DEVNULL)
     server = started_server(e2e_workdir, process)
-    port = next(json.loads(p.read_text())["port"] for p in (e2e_workdir / "served" / "servers").glob(f"{server}.json"))
     process.kill()
     process.wait()
-    assert gone(server), "llama-server outlived the dflash-lab process that started it"
+    assert gone(server["pid"]), "llama-server outlived the dflash-lab process that started it"
     with pytest.raises(urllib.error.URLError):
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+        urllib.request.urlopen(f"http://127.0.0.1:{server['port']}/health", timeout=2)
 
 
 def test_sigterm_mid_request_records_the_serving_interrupted_and_a_rerun_logs_each_metric_once(
-    e2e_workdir, served_runs
+    e2e_workdir, served_runs, spawn
 ):
     from harness.run import SERVED_DIR, Run
 
@@ -328,7 +327,7 @@ def test_sigterm_mid_request_records_the_serving_interrupted_and_a_rerun_logs_ea
     rows = lambda: len(client.get_metric_history(run.run_id, metric))  # noqa: E731
     before = rows()
     evaluate = [*CLI, "evaluate", run.name, "--engine", "llama.cpp", "--workdir", str(e2e_workdir)]
-    process = subprocess.Popen(
+    process = spawn(
         [*evaluate, *QUICK_EVALUATION, "--max-new-tokens", "96"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     server = started_server(e2e_workdir, process, log=run.path(SERVED_DIR) / "server-draft.log")
@@ -338,7 +337,7 @@ def test_sigterm_mid_request_records_the_serving_interrupted_and_a_rerun_logs_ea
     last = stderr.decode().strip().splitlines()[-1]
     assert last.startswith("error: terminated (SIGTERM); finished work is kept; run the same command again: ")
     assert f"dflash-lab evaluate {run.name} --engine llama.cpp --workdir {e2e_workdir}" in last, last
-    assert gone(server)
+    assert gone(server["pid"])
     tags = client.get_run(run.run_id).data.tags
     assert tags[tracking.TAG_SERVED_STATUS] == "interrupted" and "SIGTERM" in tags[tracking.TAG_SERVED_REASON]
     assert rows() == before, "an interrupted serving logs no served/* metric"
@@ -350,8 +349,8 @@ def test_sigterm_mid_request_records_the_serving_interrupted_and_a_rerun_logs_ea
     assert not list((e2e_workdir / "served" / "servers").glob("*.json")), "no server is left recorded"
 
 
-def test_a_sigterm_to_serve_names_the_command_to_run_again(e2e_workdir, served_runs):
-    process = subprocess.Popen(
+def test_a_sigterm_to_serve_names_the_command_to_run_again(e2e_workdir, served_runs, spawn):
+    process = spawn(
         [*CLI, "serve", "serves-dspark", "--workdir", str(e2e_workdir)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -364,7 +363,7 @@ def test_a_sigterm_to_serve_names_the_command_to_run_again(e2e_workdir, served_r
         "error: terminated (SIGTERM); finished work is kept; run the same command again: "
         f"dflash-lab serve serves-dspark --workdir {e2e_workdir}"
     )
-    assert gone(server)
+    assert gone(server["pid"])
 
 
 def test_a_sigkill_during_the_drafts_conversion_leaves_no_converter_and_the_next_conversion_no_temporary(

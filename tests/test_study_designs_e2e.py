@@ -142,7 +142,7 @@ def test_sigterm_to_a_study_records_the_trial_interrupted_and_a_relaunch_resumes
 
 
 def test_sigterm_in_a_studys_serving_step_stops_the_server_and_a_relaunch_serves_once(
-    e2e_workspace, e2e_workdir, tmp_path
+    e2e_workspace, e2e_workdir, tmp_path, spawn
 ):
     """The study's serving step (evaluate.serve) stopped mid-request: the server stops, the parent and the served
     run read interrupted, nothing served is logged; a relaunch serves the run once, and a further one not again."""
@@ -160,14 +160,14 @@ def test_sigterm_in_a_studys_serving_step_stops_the_server_and_a_relaunch_serves
         },
     )
     args = [*CLI, "study", "launch", str(study_file), "--workdir", str(e2e_workdir), "--no-report"]
-    process = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = spawn(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     log = e2e_workdir / "runs" / "served-stop-trial-0" / "served" / "server-draft.log"
     server = started_server(e2e_workdir, process, log=log)
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("error: terminated (SIGTERM)")
-    assert gone(server)
+    assert gone(server["pid"])
     client = mlflow.MlflowClient(tracking.tracking_uri(e2e_workdir))
     experiment = client.get_experiment_by_name("dflash-lab/served-stop").experiment_id
     (parent,) = client.search_runs([experiment], "tags.`dflash_lab.role` = 'study'")
