@@ -83,12 +83,29 @@ def hidden_states_of(model: torch.nn.Module, input_ids: torch.Tensor):
     return model.base_model(input_ids=input_ids, output_hidden_states=True)
 
 
-def target_precision(model: torch.nn.Module):
+def target_precision(model: torch.nn.Module, precision: str | None = None):
     """How the frozen target computes features, for the cache and online alike: bf16 on an accelerator, fp32 on
     any CPU, native bf16 or not, so that a CPU's cache holds the same features on every CPU (the stored dtypes
-    stay those of `stored`)."""
+    stay those of `stored`). `precision` (`bf16` or `fp32`) overrides that, for comparing the two."""
     device = model_device(model)
-    return autocast(device, "bf16" if is_accelerator(device) else "fp32")
+    return autocast(device, precision or ("bf16" if is_accelerator(device) else "fp32"))
+
+
+# How far features computed in bf16 (an accelerator's cache) may lie from fp32 ones (a CPU's), both as the cache
+# stores them: the relative difference of each selected layer over a document's tokens. Storing in bf16 alone
+# rounds at 2^-9; benchmarks/training/FEATURE_PRECISION.md records what computing in bf16 adds on each machine, a
+# few times below this bound.
+BF16_FEATURE_TOLERANCE = 0.02
+
+
+def relative_difference(features: torch.Tensor, reference: torch.Tensor, num_layers: int) -> list[float]:
+    """Per selected layer, ||features - reference|| / ||reference|| of [L, n_T*H] features (RMS over tokens)."""
+    found = features.float().unflatten(-1, (num_layers, -1))
+    expected = reference.float().unflatten(-1, (num_layers, -1))
+    return [
+        (torch.linalg.vector_norm(found[:, i] - expected[:, i]) / torch.linalg.vector_norm(expected[:, i])).item()
+        for i in range(num_layers)
+    ]
 
 
 def stored(features: torch.Tensor, final: torch.Tensor, final_as: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,10 +232,10 @@ def _extract_into(
 
 
 def batch_features(
-    target, batch: list[Document], layer_ids: list[int], final_as: torch.dtype
+    target, batch: list[Document], layer_ids: list[int], final_as: torch.dtype, precision: str | None = None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each document's (features, final) as the cache stores them, on the target's device, from one padded
-    forward of the batch.
+    forward of the batch (computed as `target_precision` says).
 
     The batch is padded on the right and the target is causal, so no kept token ever attends to padding: no
     attention mask is passed (Transformers would read a padding mask back from the device to inspect it)."""
@@ -227,7 +244,7 @@ def batch_features(
     ids = torch.zeros(len(batch), width, dtype=torch.long)
     for row, doc in enumerate(batch):
         ids[row, : len(doc.input_ids)] = torch.tensor(doc.input_ids)
-    with target_precision(target.model):
+    with target_precision(target.model, precision):
         out = hidden_states_of(target.model, ids.to(device))
     hidden = out.hidden_states  # [0] embeddings ... [n] post-final-norm
     features = target_features(hidden, layer_ids)

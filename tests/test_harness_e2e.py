@@ -63,6 +63,26 @@ def test_the_converted_targets_config_reads_as_transformers_reads_it(e2e_workspa
     assert native_dtype(parsed) == native_dtype(loaded)
 
 
+def test_bf16_features_lie_within_the_stated_tolerance_of_fp32_ones(e2e_workspace):
+    """An accelerator's cache computes features in bf16, a CPU's in fp32: on the real target and data each selected
+    layer of the one lies within BF16_FEATURE_TOLERANCE of the other, and the override did compute in bf16."""
+    from harness.features import BF16_FEATURE_TOLERANCE, batch_features, relative_difference
+
+    target, documents = e2e_workspace.target, e2e_workspace.data.train[:4]
+    layer_ids = e2e_run_config().algorithm.shared.resolve_target_layer_ids(target.spec.num_hidden_layers)
+    with torch.no_grad():
+        default = batch_features(target, documents, layer_ids, torch.float32)
+        fp32 = batch_features(target, documents, layer_ids, torch.float32, "fp32")
+        bf16 = batch_features(target, documents, layer_ids, torch.float32, "bf16")
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(default, fp32, strict=True)), "a CPU computes in fp32"
+    differences = [
+        relative_difference(found, expected, len(layer_ids))
+        for (found, _), (expected, _) in zip(bf16, fp32, strict=True)
+    ]
+    assert max(max(d) for d in differences) <= BF16_FEATURE_TOLERANCE, differences
+    assert min(min(d) for d in differences) > 0, "bf16 computed the same features as fp32: the override is ignored"
+
+
 def test_loss_mask_covers_assistant_tokens_only(e2e_workspace):
     tokenizer = e2e_workspace.target.tokenizer
     conversation = [

@@ -179,3 +179,15 @@ def test_the_target_computes_features_in_fp32_on_any_cpu(monkeypatch):
     monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: True)
     with target_precision(torch.nn.Linear(2, 2)):
         assert not torch.is_autocast_enabled("cpu")
+    with target_precision(torch.nn.Linear(2, 2), "bf16"):  # asked for, as the precision benchmark compares
+        assert torch.is_autocast_enabled("cpu")
+
+
+def test_relative_difference_is_per_layer_over_the_tokens():
+    """Two tokens, two layers of width 2 side by side: layer 0 off by (3, 4) on one token of norm 10 in all, layer 1
+    exact."""
+    from harness.features import relative_difference
+
+    reference = torch.tensor([[6.0, 0.0, 1.0, 1.0], [0.0, 8.0, 1.0, 1.0]])
+    found = reference + torch.tensor([[3.0, 4.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    assert relative_difference(found, reference, 2) == pytest.approx([0.5, 0.0])

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common.extraction import extracted, matmul_rate
 from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
 from harness.data import DataConfig, load_conversations, tokenize_conversation
 from harness.decode import target_greedy
-from harness.features import batch_features, final_dtype
 from harness.regeneration import ENGINE, HF, Journal, regenerate, template_ids
 from harness.serving.compare import cause_of
 from harness.serving.engine import find_engine
@@ -54,27 +54,6 @@ def agreement(target, dialogues, references, prompts) -> tuple[int, list[str]]:
             ids = tokenizer(reply, add_special_tokens=False)["input_ids"]
             causes.append(cause_of(target, prompt, reference, ids))
     return same, causes
-
-
-def matmul_rate(dtype: torch.dtype, tokens: int, hidden: int, inner: int, repeats: int = 5) -> float:
-    """FLOP/s of a (tokens x hidden) @ (hidden x inner) matmul, the decoder's MLP shape, best of `repeats`."""
-    a, b = torch.randn(tokens, hidden, dtype=dtype), torch.randn(hidden, inner, dtype=dtype)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - started)
-    return 2 * tokens * hidden * inner / best
-
-
-def extraction_rate(target, documents, layer_ids, batch_size: int = 8) -> float:
-    """Tokens/s of the cache's own extraction step over `documents`."""
-    tokens = sum(len(d.input_ids) for d in documents)
-    started = time.perf_counter()
-    with torch.no_grad():
-        for start in range(0, len(documents), batch_size):
-            batch_features(target, documents[start : start + batch_size], layer_ids, final_dtype(target.dtype))
-    return tokens / (time.perf_counter() - started)
 
 
 def main() -> None:
@@ -107,7 +86,7 @@ def main() -> None:
     documents = [tokenize_conversation(tokenizer, d, 256) for d in runs[ENGINE][0]]
     spec = target.spec
     decoder_parameters = sum(p.numel() for p in target.model.base_model.layers.parameters())
-    extraction = extraction_rate(target, documents, [2, 15, 27])
+    _, extraction = extracted(target, documents, [2, 15, 27])
     rates = {dtype: matmul_rate(dtype, 2048, spec.hidden_size, 1536) for dtype in (torch.float32, torch.bfloat16)}
     rows, values = [], {}
     for backend, (dialogues, seconds) in runs.items():
