@@ -135,6 +135,11 @@ def test_over_rounds_a_speedup_rows_interval_is_over_the_rounds_and_a_recipe_row
     rows = recipe_rows(served + cut, found)
     assert [values["speedup"][0] for _, values in rows] == pytest.approx([0.7, 0.9])
     assert rows[1][0][0].endswith("(2 seeds x 2 rounds, p-min 0.5)")
+    # each row carries its label and draft shape, which the shortfall reads as data
+    assert [(v["label"], v["block"], v["vocabulary"], v["confidence_cut"]) for _, v in rows] == [
+        (rows[0][0][0], 4, None, 0.0),
+        (rows[1][0][0], 4, None, 0.5),
+    ]
 
 
 def test_the_target_alone_is_the_mean_of_its_passes_before_and_after_the_drafts():
@@ -235,18 +240,21 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
     from benchmarks.common.records import Record, Table
     from benchmarks.serving.shortfall import shortfall_record
 
+    def recipe(label: str, speedup: list[float], accepted: float, vocabulary=None, cut=0.0) -> dict:
+        shape = {"block": 4, "vocabulary": vocabulary, "confidence_cut": cut}
+        return {"label": label, "speedup": speedup, "accepted_length": accepted} | shape
+
     recipes = [
-        {"speedup": [0.70, 0.60, 0.80], "accepted_length": 1.30},
-        {"speedup": [0.80, 0.40, 1.20], "accepted_length": 1.40},
+        recipe("**recipe** `a`, `b` (2 seeds x 2 rounds)", [0.70, 0.60, 0.80], 1.30),
+        recipe("**recipe** `a`, `b` (2 seeds x 2 rounds, vocabulary 4096)", [0.80, 0.40, 1.20], 1.40, 4096),
     ]
-    rows = [["`a` (dflash2, block 4)"], ["**recipe** `a`, `b` (2 seeds x 2 rounds)"]]
-    rows.append(["**recipe** `a`, `b` (2 seeds x 2 rounds, vocabulary 4096)"])
-    lines = (
-        "Break-even of a block-4 draft (`draft-dflash`) on this target: accepted length 2.00 [1.90, 2.10] (cycle "
-        "cost 2.00 plain tokens).\n\nBreak-even of a block-4 draft (`draft-dflash`, drafting over 4096 tokens) on "
-        "this target: accepted length 1.80 [1.70, not reached] (cycle cost 1.60 plain tokens)."
-    )
-    served = Record("`a`, `b`", ["about", "f32 alone", Table(["drafter"], rows), lines], {"f32": {"recipes": recipes}})
+    break_evens = [
+        {"block": 4, "vocabulary": None, "accepted_length": [2.00, 1.90, 2.10], "cycle_cost": 2.00},
+        {"block": 4, "vocabulary": 4096, "accepted_length": [1.80, 1.70, math.inf], "cycle_cost": 1.60},
+    ]
+    served = Record("`a`, `b`", ["about"], {"f32": {"recipes": recipes, "break_even": break_evens}})
+    # a record written before the rows carried their shape is passed over, not misread
+    older = Record("older", ["about"], {"f32": {"recipes": [{"speedup": [2.0, 1.9, 2.1], "accepted_length": 3.0}]}})
     columns = ["run", "block", "conversations (supervised tokens)", "served accepted length"]
     curve_rows = [
         ["`c160`", "4", "160 (9,520)", "1.20"],
@@ -257,11 +265,11 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
     ]
     curve = Record("The curve", [Table(columns, curve_rows)])
     cycle = {"f32": {"plain_ms": 20.0, "block4": {"cycle_ms": 40.0, "verify_ms": 25.0, "draft_side_ms": 15.0}}}
-    found = shortfall_record([curve, served], [Record("Blocks 4", [], cycle)], "test").values
+    found = shortfall_record([curve, served, older], [Record("Blocks 4", [], cycle)], "test").values
 
     assert "vocabulary 4096" in found["best"]["label"] and found["best"]["speedup"] == [0.80, 0.40, 1.20]
     assert found["uncut"] == found["best"]
-    assert found["break_even"][:2] == [1.80, 1.70] and math.isnan(found["break_even"][2])
+    assert found["break_even"] == [1.80, 1.70, math.inf]
     assert found["cycle_cost"] == 1.60 and found["gap"] == pytest.approx(0.40)
     assert found["split"] == {"plain_ms": 20.0, "verify": 1.25, "draft_side": 0.75, "cycle": 2.0}
     # 160 -> 2560 conversations is two fourfold steps for +0.20: 0.10 per step, so the 0.40 gap is 4 more
@@ -270,8 +278,8 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
 
     # A confidence cut (p-min) that serves faster is the best, but the gap is the uncut drafts' in the same launch:
     # no synthetic break-even is a cut cycle's own
-    recipes.append({"speedup": [0.90, 0.85, 0.95], "accepted_length": 1.55})
-    rows.append(["**recipe** `a`, `b` (2 seeds x 2 rounds, vocabulary 4096, p-min 0.6)"])
-    found = shortfall_record([curve, served], [Record("Blocks 4", [], cycle)], "test").values
+    label = "**recipe** `a`, `b` (2 seeds x 2 rounds, vocabulary 4096, p-min 0.6)"
+    recipes.append(recipe(label, [0.90, 0.85, 0.95], 1.55, 4096, 0.6))
+    found = shortfall_record([curve, served, older], [Record("Blocks 4", [], cycle)], "test").values
     assert found["best"]["label"].endswith("p-min 0.6)") and found["best"]["accepted_length"] == 1.55
     assert found["uncut"]["label"].endswith("vocabulary 4096)") and found["gap"] == pytest.approx(0.40)

@@ -10,23 +10,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import statistics
 from dataclasses import dataclass
 
 from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
+from harness.serving.break_even import interval_text
 from harness.serving.metrics import SPEEDUP  # the key speedup.py records each row's speed-up under
 
 GROUP, PAGE, CYCLE_PAGE = "serving", "SPEEDUP", "CYCLE_COST"
 TARGET = "f32"  # the target the issue's verdict is about (the agreement check's)
-# The break-even line speedup.py writes under each target's table.
-BREAK_EVEN_LINE = re.compile(
-    r"Break-even of a block-(?P<block>\d+) draft \(`[^`]+`(?:, drafting over (?P<vocabulary>\d+) tokens)?\) on this "
-    r"target: accepted length (?P<value>[\d.]+) \[(?P<low>[\d.]+|not reached), (?P<high>[\d.]+|not reached)\] "
-    r"\(cycle cost (?P<cycle>[\d.]+) plain tokens\)"
-)
-RECIPE_VOCABULARY = re.compile(r"vocabulary (\d+)(?:, p-min [\d.]+)?\)$")
-RECIPE_CUT = re.compile(r", p-min ([\d.]+)\)$")
 CURVE_COLUMNS = ("run", "block", "conversations (supervised tokens)", "served accepted length")
 
 
@@ -35,8 +27,8 @@ class BreakEven:
     block: int
     vocabulary: int | None
     value: float
-    low: float  # nan where the record says "not reached"
-    high: float
+    low: float  # nan with one prompt
+    high: float  # inf where the lower bounds never cross 1
     cycle_cost: float  # plain target tokens per cycle at accepted length 1
 
 
@@ -45,6 +37,7 @@ class RecipeRow:
     label: str
     speedup: tuple[float, float, float]  # value, low, high
     accepted_length: float
+    shape: tuple[int, int | None, float]  # block, draft vocabulary, confidence cut
 
 
 @dataclass(frozen=True)
@@ -57,48 +50,27 @@ class BestRecipe:
     record_title: str
 
 
-def bound(text: str) -> float:
-    return float("nan") if text == "not reached" else float(text)
-
-
-def break_evens(text: str) -> list[BreakEven]:
-    """Every break-even line in a record's text."""
-    return [
-        BreakEven(
-            int(m["block"]),
-            int(m["vocabulary"]) if m["vocabulary"] else None,
-            float(m["value"]),
-            bound(m["low"]),
-            bound(m["high"]),
-            float(m["cycle"]),
-        )
-        for m in BREAK_EVEN_LINE.finditer(text)
-    ]
-
-
 def best_recipe(records: list[Record], target: str = TARGET) -> BestRecipe:
-    """The recipe row with the highest speed-up on `target` in the latest record that has recipe rows, with the
-    break-even of its shape measured in the same launch."""
+    """The recipe row with the highest speed-up on `target` in the latest record that has labelled recipe rows,
+    with the break-even of its shape measured in the same launch."""
     for record in reversed(records):
-        recipes = record.values.get(target, {}).get("recipes")
-        if not recipes:
+        found = record.values.get(target, {})
+        recipes = [recipe for recipe in found.get("recipes", []) if "label" in recipe]
+        if not recipes:  # none, or written before speedup.py recorded each row's shape
             continue
-        index = list(record.values).index(target)  # one table per target, in the order measured
-        tables = [(i, b) for i, b in enumerate(record.blocks) if isinstance(b, Table)]
-        position, table = tables[index]
-        labels = [row[0] for row in table.rows if row[0].startswith("**recipe**")]
-        rows = {
-            label: RecipeRow(label, tuple(found[SPEEDUP]), found["accepted_length"])
-            for label, found in zip(labels, recipes, strict=True)
-        }
-        best = max(rows.values(), key=lambda row: row.speedup[0])
-        uncut = rows[RECIPE_CUT.sub(")", best.label)]
-        match = RECIPE_VOCABULARY.search(best.label)
-        vocabulary = int(match[1]) if match else None
-        lines = break_evens(str(record.blocks[position + 1]))
-        (shape,) = [line for line in lines if line.vocabulary == vocabulary]
-        return BestRecipe(best, uncut, shape, record.title)
-    raise SystemExit(f"no record of benchmarks/{GROUP}/{PAGE}.md has recipe rows on the {target} target")
+        rows = [RecipeRow(r["label"], tuple(r[SPEEDUP]), r["accepted_length"], shape(r)) for r in recipes]
+        best = max(rows, key=lambda row: row.speedup[0])
+        (uncut,) = [row for row in rows if row.shape == best.shape[:2] + (0.0,)]
+        block, vocabulary, _ = best.shape
+        (line,) = [b for b in found["break_even"] if (b["block"], b["vocabulary"]) == (block, vocabulary)]
+        break_even = BreakEven(block, vocabulary, *line["accepted_length"], line["cycle_cost"])
+        return BestRecipe(best, uncut, break_even, record.title)
+    raise SystemExit(f"no record of benchmarks/{GROUP}/{PAGE}.md has labelled recipe rows on the {target} target")
+
+
+def shape(recipe: dict) -> tuple[int, int | None, float]:
+    """A recipe row's draft shape: block, draft vocabulary (None: the whole one) and confidence cut."""
+    return recipe["block"], recipe["vocabulary"], recipe["confidence_cut"]
 
 
 def cycle_split(records: list[Record], block: int, target: str = TARGET) -> dict[str, float]:
@@ -161,8 +133,9 @@ def shortfall_record(speedup_records: list[Record], cycle_records: list[Record],
         f"{TARGET} target: {best.label} (record {found.record_title}), speed-up {value:.3f} [{low:.3f}, {high:.3f}], "
         f"{'above' if low > 1 else 'not above'} 1, at {best.accepted_length:.2f} accepted tokens per drafting "
         f"cycle. {against}**Break-even** of the uncut shape in the same launch (block {shape.block}"
-        f"{f', {shape.vocabulary}-token draft vocabulary' if shape.vocabulary else ''}): {shape.value:.2f} "
-        f"[{shape.low:.2f}, {shape.high:.2f}], a cycle costing {shape.cycle_cost:.2f} plain tokens. The uncut drafts "
+        f"{f', {shape.vocabulary}-token draft vocabulary' if shape.vocabulary else ''}): "
+        f"{interval_text(shape.value, shape.low, shape.high)}, a cycle costing {shape.cycle_cost:.2f} plain tokens. "
+        "The uncut drafts "
         f"need **{gap:.2f} more accepted tokens per cycle** to break even.",
         Table(
             [f"part of a block-{shape.block} cycle (`{split['record']}`, accepted length 1)", "plain tokens"],

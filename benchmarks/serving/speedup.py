@@ -121,6 +121,10 @@ def recipe_rows(drafts: list[tuple[ServedDraft, TrainedRun]], found: dict[str, d
         accepted = [w["accepted_length"] for w in weights if w["accepted_length"] is not None]
         shares = [w["tokens_from_drafts"] for w in weights if w["tokens_from_drafts"] is not None]
         values = {
+            "label": name,
+            "block": shown.block + 1,
+            "vocabulary": shown.vocabulary,
+            "confidence_cut": shown.confidence_cut,
             served_names.SPEEDUP: [pooled.value, pooled.low, pooled.high],
             "seed_means": seed_means,
             "accepted_length": statistics.fmean(accepted) if accepted else None,
@@ -221,11 +225,12 @@ def measure(args: argparse.Namespace) -> Record:
         alone = [timed.alone_speeds() for timed in rounds]
         rows = {name: row(name, [timed.drafted[name] for timed in rounds], alone) for name in rounds[0].drafted}
         pooled = recipe_rows(served, {name: found for name, (_, found) in rows.items()})
-        lines = break_evens(session, model, drafts, prompts, args)
+        shapes = break_evens(session, model, drafts, prompts, args)
         speeds = [[mean_speed(timed.before), mean_speed(timed.after)] for timed in rounds]
         values[key] = {"alone_tokens_per_s": speeds[0] if len(speeds) == 1 else speeds}
         values[key] |= {name.strip("`"): found for name, (_, found) in rows.items()}
         values[key] |= {"recipes": [found for _, found in pooled]} if pooled else {}
+        values[key]["break_even"] = [found for _, found in shapes]
         columns = [
             "drafter",
             "speed-up [95%]",
@@ -241,7 +246,7 @@ def measure(args: argparse.Namespace) -> Record:
         blocks += [
             f"**{target_name} target**: alone {alone_text} ({(time.monotonic() - started) / 60:.0f} min).",
             Table(columns, [cells for cells, _ in [*rows.values(), *pooled]]),
-            "\n\n".join(lines),
+            "\n\n".join(line for line, _ in shapes),
         ]
     count = sum(len(g) for g in prompts.values())
     trained = "; ".join(f"{t.run.name}: {t.config.train.max_steps} steps, seed {t.config.train.seed}" for t in runs)
@@ -275,11 +280,11 @@ def noise_text(rounds: int) -> str:
     )
 
 
-def break_evens(session: Session, model: Path, drafts: list[ServedDraft], prompts, args) -> list[str]:
+def break_evens(session: Session, model: Path, drafts: list[ServedDraft], prompts, args) -> list[tuple[str, dict]]:
     """The break-even of each draft shape served (once per shape: synthetic acceptance times the shape, not the
-    weights), on this target."""
+    weights), on this target: its line and its values."""
     flat = [p for group in prompts.values() for p in group][: args.break_even_prompts]
-    lines, measured = [], set()
+    shapes, measured = [], set()
     for draft in drafts:
         if draft.shape in measured:
             continue
@@ -287,11 +292,18 @@ def break_evens(session: Session, model: Path, drafts: list[ServedDraft], prompt
         lengths = break_even.synthetic_lengths(draft.block, 5)
         found = break_even.measure(session, model, draft, flat, args.tokens, lengths)
         head = f", drafting over {draft.vocabulary} tokens" if draft.vocabulary else ""
-        lines.append(
+        line = (
             f"Break-even of a block-{draft.block + 1} draft (`{draft.spec_type}`{head}) on this target: accepted "
             f"length {found.text()} (cycle cost {found.cycle_cost:.2f} plain tokens)."
         )
-    return lines
+        shape = {
+            "block": draft.block + 1,
+            "vocabulary": draft.vocabulary,
+            "accepted_length": [found.length, found.low, found.high],
+            "cycle_cost": found.cycle_cost,
+        }
+        shapes.append((line, shape))
+    return shapes
 
 
 def serving_arguments(parser: argparse.ArgumentParser) -> None:
