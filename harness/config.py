@@ -13,6 +13,7 @@ import yaml
 from algorithms import AlgorithmConfig
 from algorithms.knobs import build_section, check_section, flat_section, knob, knob_error
 from harness.data import DataConfig
+from harness.features import DEVICE_PRECISION, FEATURE_PRECISIONS
 
 OPTIMIZERS = ("adamw",)
 SCHEDULES = ("linear", "cosine", "wsd")
@@ -75,6 +76,13 @@ class TrainConfig:
         "auto",
         "auto: bf16 autocast on CUDA and on CPUs with native bf16 (AVX512-BF16, AMX), else fp32",
         choices=PRECISIONS,
+    )
+    feature_precision: str = knob(
+        DEVICE_PRECISION,
+        "what the frozen target computes features in; device: bf16 on an accelerator, fp32 on every CPU (one cache "
+        "for every CPU); auto: bf16 also on CPUs with native bf16 (faster there; within "
+        "harness.features.BF16_FEATURE_TOLERANCE of fp32); bf16; fp32",
+        choices=FEATURE_PRECISIONS,
     )
 
     def validate(self) -> None:

@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from algorithms.blocks import PackedRow
 from harness.data import Document, pack_documents, pack_row, stable_hash
-from harness.devices import autocast, dtype_name, ids_on, is_accelerator, model_device
+from harness.devices import autocast, computes_in, dtype_name, ids_on, is_accelerator, model_device
 from harness.distributed import SINGLE, Ranks
 from harness.files import atomic_write, file_sha256
 
@@ -24,6 +24,11 @@ DOCS_PER_SHARD = 64
 FEATURE_DTYPE = torch.bfloat16  # per token, the selected layers
 # The final hidden state keeps fp32 unless the target itself is bf16, which has no more bits to keep.
 FINAL_DTYPES = {"bfloat16": torch.bfloat16}
+# The `train.feature_precision` knob. `device` (the default): bf16 on an accelerator and fp32 on every CPU, native
+# bf16 or not, so that one cache holds the same features on every CPU. `auto`: bf16 also on a CPU with native bf16,
+# where its matmuls are several times faster. `bf16` and `fp32` ask for one everywhere.
+DEVICE_PRECISION = "device"
+FEATURE_PRECISIONS = (DEVICE_PRECISION, "auto", "bf16", "fp32")
 
 
 def final_dtype(target_dtype: str) -> torch.dtype:
@@ -67,10 +72,11 @@ class OnlineFeatures:
     target: object
     documents: list[Document]
     layer_ids: list[int]
+    precision: str = DEVICE_PRECISION
 
     def document(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         model = self.target.model
-        with torch.no_grad(), target_precision(model):
+        with torch.no_grad(), target_precision(model, self.precision):
             out = hidden_states_of(model, ids_on(self.documents[index].input_ids, model_device(model)))
         features = target_features(out.hidden_states, self.layer_ids)[0]
         return stored(features, out.hidden_states[-1][0], final_dtype(self.target.dtype))
@@ -83,12 +89,18 @@ def hidden_states_of(model: torch.nn.Module, input_ids: torch.Tensor):
     return model.base_model(input_ids=input_ids, output_hidden_states=True)
 
 
-def target_precision(model: torch.nn.Module, precision: str | None = None):
-    """How the frozen target computes features, for the cache and online alike: bf16 on an accelerator, fp32 on
-    any CPU, native bf16 or not, so that a CPU's cache holds the same features on every CPU (the stored dtypes
-    stay those of `stored`). `precision` (`bf16` or `fp32`) overrides that, for comparing the two."""
+def feature_compute_dtype(model: torch.nn.Module, precision: str = DEVICE_PRECISION) -> str:
+    """`bf16` or `fp32`: what the frozen target computes features in under `precision` (a FEATURE_PRECISIONS)."""
     device = model_device(model)
-    return autocast(device, precision or ("bf16" if is_accelerator(device) else "fp32"))
+    if precision == DEVICE_PRECISION:
+        return "bf16" if is_accelerator(device) else "fp32"
+    return computes_in(device, precision)
+
+
+def target_precision(model: torch.nn.Module, precision: str = DEVICE_PRECISION):
+    """How the frozen target computes features, for the cache and online alike (the stored dtypes stay those of
+    `stored` either way)."""
+    return autocast(model_device(model), feature_compute_dtype(model, precision))
 
 
 # How far features computed in bf16 (an accelerator's cache) may lie from fp32 ones (a CPU's), both as the cache
@@ -143,17 +155,25 @@ def estimated_bytes(tokens: int, hidden_size: int, num_layers: int, target_dtype
     return tokens * hidden_size * (num_layers * FEATURE_DTYPE.itemsize + final_dtype(target_dtype).itemsize)
 
 
-def cache_key(target_hash: str, dataset_hash: str, layer_ids: list[int], max_length: int, final: torch.dtype) -> str:
+def cache_key(
+    target_hash: str,
+    dataset_hash: str,
+    layer_ids: list[int],
+    max_length: int,
+    final: torch.dtype,
+    computed_in: str = "fp32",
+) -> str:
     """What the cache's content depends on (never the number of ranks that extracted it)."""
-    return stable_hash(
-        {
-            "target": target_hash,
-            "dataset": dataset_hash,
-            "layers": list(layer_ids),
-            "max_length": max_length,
-            "final_dtype": dtype_name(final),
-        }
-    )
+    identity = {
+        "target": target_hash,
+        "dataset": dataset_hash,
+        "layers": list(layer_ids),
+        "max_length": max_length,
+        "final_dtype": dtype_name(final),
+    }
+    if computed_in != "fp32":  # so a cache computed in fp32 keeps the key it had before this was part of it
+        identity["computed_in"] = computed_in
+    return stable_hash(identity)
 
 
 def verify(directory: Path, manifest: dict) -> None:
@@ -176,12 +196,15 @@ def extract(
     directory: Path,
     batch_size: int = 8,
     ranks: Ranks = SINGLE,
+    precision: str = DEVICE_PRECISION,
 ) -> dict:
     """One pass of the target per document (no cross-document attention), written shard by shard; under
     torchrun each rank writes every world_size-th shard, and rank 0 the manifest once all are written. The shards
     do not depend on who wrote them, so the checksums equal a one-process extraction's."""
     manifest: dict = {}
-    write = lambda tmp: manifest.update(_extract_into(tmp, target, documents, layer_ids, batch_size, ranks))  # noqa: E731
+    write = lambda tmp: manifest.update(  # noqa: E731
+        _extract_into(tmp, target, documents, layer_ids, batch_size, ranks, precision)
+    )
     if ranks.is_main:
         atomic_write(directory, write)
     else:
@@ -191,7 +214,13 @@ def extract(
 
 
 def _extract_into(
-    tmp: Path | None, target, documents: list[Document], layer_ids: list[int], batch_size: int, ranks: Ranks
+    tmp: Path | None,
+    target,
+    documents: list[Document],
+    layer_ids: list[int],
+    batch_size: int,
+    ranks: Ranks,
+    precision: str,
 ) -> dict:
     if ranks.is_main:  # atomic_write cleared any leftover at `tmp`
         tmp.mkdir(parents=True)
@@ -207,7 +236,7 @@ def _extract_into(
             tensors = {}
             for start in range(0, len(shard), batch_size):
                 batch = shard[start : start + batch_size]
-                for offset, kept in enumerate(batch_features(target, batch, layer_ids, final_as)):
+                for offset, kept in enumerate(batch_features(target, batch, layer_ids, final_as, precision)):
                     index = shard_start + start + offset
                     features, final = (t.cpu().contiguous() for t in kept)  # the shard is written from the host
                     tensors[f"doc{index}.features"], tensors[f"doc{index}.final"] = features, final
@@ -223,6 +252,7 @@ def _extract_into(
         "num_documents": len(documents),
         "tokens": sum(len(d.input_ids) for d in documents),
         "final_dtype": dtype_name(final_as),
+        "computed_in": feature_compute_dtype(target.model, precision),
         "shards": [shards[number] for number in range(len(starts))],
         "documents": [index // DOCS_PER_SHARD for index in range(len(documents))],
     }
@@ -232,7 +262,7 @@ def _extract_into(
 
 
 def batch_features(
-    target, batch: list[Document], layer_ids: list[int], final_as: torch.dtype, precision: str | None = None
+    target, batch: list[Document], layer_ids: list[int], final_as: torch.dtype, precision: str = DEVICE_PRECISION
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each document's (features, final) as the cache stores them, on the target's device, from one padded
     forward of the batch (computed as `target_precision` says).
@@ -261,13 +291,15 @@ def load_or_build(
     cache_dir: Path,
     on_corrupt: str = "rebuild",
     ranks: Ranks = SINGLE,
+    precision: str = DEVICE_PRECISION,
 ) -> tuple[FeatureCache, bool]:
-    """The cache for (target, data, layers, max length); builds it on a miss (under torchrun, every rank a share
-    of it). Returns (cache, was_hit).
+    """The cache for (target, data, layers, max length, compute dtype); builds it on a miss (under torchrun, every
+    rank a share of it). Returns (cache, was_hit).
 
     A corrupt or partial cache is never used: it is rebuilt (`on_corrupt="rebuild"`) or raises.
     """
-    key = cache_key(target.weights_hash, dataset_hash, layer_ids, max_length, final_dtype(target.dtype))
+    computed_in = feature_compute_dtype(target.model, precision)
+    key = cache_key(target.weights_hash, dataset_hash, layer_ids, max_length, final_dtype(target.dtype), computed_in)
     directory = cache_dir / "features" / key
     found = ranks.from_main(_verified(directory, on_corrupt) if ranks.is_main else None)
     if isinstance(found, str):
@@ -275,7 +307,8 @@ def load_or_build(
     if found is not None:
         return FeatureCache(directory, found), True
     log.info("feature cache miss: extracting %d documents into %s", len(documents), directory)
-    return FeatureCache(directory, extract(target, documents, layer_ids, directory, ranks=ranks)), False
+    manifest = extract(target, documents, layer_ids, directory, ranks=ranks, precision=precision)
+    return FeatureCache(directory, manifest), False
 
 
 def _verified(directory: Path, on_corrupt: str) -> dict | str | None:

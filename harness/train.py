@@ -116,7 +116,7 @@ class Workspaces:
 
 def workspace_identity(config: RunConfig, num_target_layers: int) -> tuple:
     layer_ids = config.algorithm.shared.resolve_target_layer_ids(num_target_layers)
-    return config.target, config.data, config.train.features, tuple(layer_ids)
+    return config.target, config.data, config.train.features, config.train.feature_precision, tuple(layer_ids)
 
 
 def prepare_workspace(config: RunConfig, workdir: Path, device: str = "cpu", ranks: Ranks = SINGLE) -> Workspace:
@@ -136,11 +136,18 @@ def prepare_workspace(config: RunConfig, workdir: Path, device: str = "cpu", ran
     documents = data.validation + data.train
     online = config.train.features == ONLINE_FEATURES
     if online:
-        features, hit = OnlineFeatures(target, documents, layer_ids), False
+        features, hit = OnlineFeatures(target, documents, layer_ids, config.train.feature_precision), False
         log.info("online features: the target computes them inside each training step; no cache is written")
     else:
         features, hit = load_or_build(
-            target, documents, data.dataset_hash, layer_ids, config.data.max_length, workdir, ranks=ranks
+            target,
+            documents,
+            data.dataset_hash,
+            layer_ids,
+            config.data.max_length,
+            workdir,
+            ranks=ranks,
+            precision=config.train.feature_precision,
         )
     validation_rows, _ = packed_rows(features, 0, data.validation, config.data.row_length)
     train_rows, members = packed_rows(

@@ -131,6 +131,13 @@ def test_validation_and_feature_extraction_forwards_run_on_the_stand_in(algorith
         assert features.shape == (len(doc.input_ids), len(layer_ids) * HIDDEN) and final.shape[1] == HIDDEN
 
 
+def test_online_features_compute_in_the_feature_precision_asked_for():
+    """`train.feature_precision` reaches online mode too: bf16 on a CPU computes other features than its default."""
+    target, docs = standin_target("cpu"), documents(1)
+    fp32, bf16 = (OnlineFeatures(target, docs, [1, 2], precision).document(0)[0] for precision in ("device", "bf16"))
+    assert fp32.shape == bf16.shape and not torch.equal(fp32, bf16)
+
+
 @torch.no_grad()
 def test_a_padded_extraction_batch_gives_each_document_its_own_forward():
     """Right padding under causal attention needs no mask: each document's features equal its forward alone."""

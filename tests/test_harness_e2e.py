@@ -63,24 +63,27 @@ def test_the_converted_targets_config_reads_as_transformers_reads_it(e2e_workspa
     assert native_dtype(parsed) == native_dtype(loaded)
 
 
-def test_bf16_features_lie_within_the_stated_tolerance_of_fp32_ones(e2e_workspace):
-    """An accelerator's cache computes features in bf16, a CPU's in fp32: on the real target and data each selected
-    layer of the one lies within BF16_FEATURE_TOLERANCE of the other, and the override did compute in bf16."""
-    from harness.features import BF16_FEATURE_TOLERANCE, batch_features, relative_difference
+def test_a_bf16_feature_cache_is_its_own_and_lies_within_the_stated_tolerance_of_fp32_ones(e2e_workspace, tmp_path):
+    """An accelerator's cache computes features in bf16, a CPU's in fp32 (`train.feature_precision: device`): on the
+    real target and data a cache asked for in bf16 is keyed apart, says what it computed in, and each selected layer
+    lies within BF16_FEATURE_TOLERANCE of the fp32 cache's, though not equal to it."""
+    from harness.features import BF16_FEATURE_TOLERANCE, relative_difference
 
     target, documents = e2e_workspace.target, e2e_workspace.data.train[:4]
     layer_ids = e2e_run_config().algorithm.shared.resolve_target_layer_ids(target.spec.num_hidden_layers)
-    with torch.no_grad():
-        default = batch_features(target, documents, layer_ids, torch.float32)
-        fp32 = batch_features(target, documents, layer_ids, torch.float32, "fp32")
-        bf16 = batch_features(target, documents, layer_ids, torch.float32, "bf16")
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(default, fp32, strict=True)), "a CPU computes in fp32"
+    built = {
+        precision: load_or_build(target, documents, "four", layer_ids, 256, tmp_path, precision=precision)
+        for precision in ("device", "fp32", "bf16")
+    }
+    (device, device_hit), (fp32, fp32_hit), (bf16, bf16_hit) = built.values()
+    assert not device_hit and fp32_hit and fp32.directory == device.directory, "a CPU's default computes in fp32"
+    assert not bf16_hit and bf16.directory != fp32.directory
+    assert (fp32.manifest["computed_in"], bf16.manifest["computed_in"]) == ("fp32", "bf16")
     differences = [
-        relative_difference(found, expected, len(layer_ids))
-        for (found, _), (expected, _) in zip(bf16, fp32, strict=True)
+        relative_difference(bf16.document(i)[0], fp32.document(i)[0], len(layer_ids)) for i in range(len(documents))
     ]
     assert max(max(d) for d in differences) <= BF16_FEATURE_TOLERANCE, differences
-    assert min(min(d) for d in differences) > 0, "bf16 computed the same features as fp32: the override is ignored"
+    assert min(min(d) for d in differences) > 0, "bf16 computed the same features as fp32: the knob is ignored"
 
 
 def test_loss_mask_covers_assistant_tokens_only(e2e_workspace):
@@ -106,6 +109,7 @@ def test_feature_cache_hit_runs_no_target_and_corruption_is_detected(e2e_workspa
     layer_ids = ws.features.layer_ids
     documents = ws.data.validation + ws.data.train
     forward = mock.Mock(side_effect=AssertionError("the target must not run on a cache hit"))
+    forward.parameters = lambda: iter([torch.zeros(1)])  # where it sits: the key holds what it computes in there
     with mock.patch.object(ws.target, "model", forward):
         cache, hit = load_or_build(
             ws.target, documents, ws.data.dataset_hash, layer_ids, ws.data.config.max_length, e2e_workdir

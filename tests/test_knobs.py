@@ -183,6 +183,21 @@ def test_the_target_computes_features_in_fp32_on_any_cpu(monkeypatch):
         assert torch.is_autocast_enabled("cpu")
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_feature_precision_resolves_per_device_and_keys_the_cache_only_when_bf16(monkeypatch, native):
+    """`device` keeps every CPU at fp32 (one cache for all), `auto` follows native bf16, an explicit value is kept;
+    an fp32 cache keeps the key it had before the compute dtype was part of it, and a bf16 one gets its own."""
+    from harness import devices
+    from harness.features import cache_key, feature_compute_dtype
+
+    monkeypatch.setattr(devices, "cpu_has_native_bf16", lambda: native)
+    cpu = torch.nn.Linear(2, 2)
+    found = {p: feature_compute_dtype(cpu, p) for p in ("device", "auto", "bf16", "fp32")}
+    assert found == {"device": "fp32", "auto": "bf16" if native else "fp32", "bf16": "bf16", "fp32": "fp32"}
+    key = ("t", "d", [2, 15], 256, torch.float32)
+    assert cache_key(*key, "fp32") == cache_key(*key) != cache_key(*key, "bf16")
+
+
 def test_relative_difference_is_per_layer_over_the_tokens():
     """Two tokens, two layers of width 2 side by side: layer 0 off by (3, 4) on one token of norm 10 in all, layer 1
     exact."""
