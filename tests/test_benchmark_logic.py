@@ -132,13 +132,20 @@ def test_over_rounds_a_speedup_rows_interval_is_over_the_rounds_and_a_recipe_row
     found |= {
         draft.label: {"rounds": [0.9, 0.9], "accepted_length": 2.0, "tokens_from_drafts": 0.5} for draft, _ in cut
     }
-    rows = recipe_rows(served + cut, found)
-    assert [values["speedup"][0] for _, values in rows] == pytest.approx([0.7, 0.9])
+    # ... and so are they drafting fewer tokens than the block (n-max), a shape of its own
+    short = [(dataclasses.replace(d, name=f"{d.name} (n-max 2)", block=2), t) for d, t in served[:2]]
+    found |= {
+        draft.label: {"rounds": [0.8, 0.8], "accepted_length": 1.4, "tokens_from_drafts": 0.2} for draft, _ in short
+    }
+    rows = recipe_rows(served + cut + short, found)
+    assert [values["speedup"][0] for _, values in rows] == pytest.approx([0.7, 0.9, 0.8])
     assert rows[1][0][0].endswith("(2 seeds x 2 rounds, p-min 0.5)")
+    assert rows[2][0][0].endswith("(2 seeds x 2 rounds, n-max 2)")
     # each row carries its label and draft shape, which the shortfall reads as data
     assert [(v["label"], v["block"], v["vocabulary"], v["confidence_cut"]) for _, v in rows] == [
         (rows[0][0][0], 4, None, 0.0),
         (rows[1][0][0], 4, None, 0.5),
+        (rows[2][0][0], 3, None, 0.0),
     ]
 
 
@@ -203,7 +210,7 @@ def test_the_cycle_cost_reads_the_head_and_the_weights_from_the_gguf():
     assert 49152 * 576 <= head <= 49152 * 576 * 1.1  # the tied head in Q8_0: 8.5 bits per weight
 
 
-def test_a_served_drafts_log_is_named_by_its_run_head_size_and_confidence_cut_without_spaces():
+def test_a_served_drafts_log_is_named_by_its_run_and_variants_without_spaces():
     import dataclasses
     from pathlib import Path
 
@@ -212,9 +219,9 @@ def test_a_served_drafts_log_is_named_by_its_run_head_size_and_confidence_cut_wi
 
     full = ServedDraft("run-a", "dflash2", Path("work/runs/run-a/served/draft-f32.gguf"), 3, "draft-dflash")
     reduced = ServedDraft("run-a (vocabulary 4096)", "dflash2", full.gguf.with_name("x.gguf"), 3, "draft-dflash", 4096)
-    assert log_name(full) == "draft-run-a" and log_name(reduced) == "draft-run-a-vocab4096"
-    cut = dataclasses.replace(reduced, name="run-a (vocabulary 4096) (p-min 0.5)", confidence_cut=0.5)
-    assert log_name(cut) == "draft-run-a-vocab4096-pmin0.5"
+    assert log_name(full) == "draft-run-a" and log_name(reduced) == "draft-run-a-vocabulary4096"
+    cut = dataclasses.replace(reduced, name="run-a (vocabulary 4096) (n-max 2) (p-min 0.5)", confidence_cut=0.5)
+    assert log_name(cut) == "draft-run-a-vocabulary4096-nmax2-pmin0.5"
 
 
 def test_the_main_job_record_takes_the_reports_ngram_table_as_rendered():

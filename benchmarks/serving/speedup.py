@@ -10,8 +10,9 @@ and the shipped Q4_1 target (what a user serves).
 
 With `--rounds R` everything is served R times, each round in fresh launches, and a drafter's interval is over its
 rounds; runs that differ only in their training seed are pooled into a recipe row whose interval is over seeds.
-`--vocabulary N` adds each draft over its replies' N most frequent tokens, `--p-min P` each draft with llama.cpp's
-confidence cut at P (its cycles end at the first unconfident token, so the verify batch shrinks).
+`--vocabulary N` adds each draft over its replies' N most frequent tokens, `--n-max N` each draft drafting at most N
+tokens per cycle, `--p-min P` each draft with llama.cpp's confidence cut at P (its cycles end at the first
+unconfident token, so the verify batch shrinks).
 
 Run it on a quiet machine: it times decoding.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import statistics
 import time
 from collections import defaultdict
@@ -103,7 +105,7 @@ def recipe_rows(drafts: list[tuple[ServedDraft, TrainedRun]], found: dict[str, d
     for draft, trained in drafts:
         config = trained.config
         recipe = dataclasses.replace(config, train=dataclasses.replace(config.train, seed=0)).fingerprint()
-        groups[recipe, draft.vocabulary, draft.confidence_cut].append((draft, trained))
+        groups[recipe, draft.block, draft.vocabulary, draft.confidence_cut].append((draft, trained))
     rows = []
     for members in groups.values():
         if len({trained.config.train.seed for _, trained in members}) < 2:
@@ -113,9 +115,7 @@ def recipe_rows(drafts: list[tuple[ServedDraft, TrainedRun]], found: dict[str, d
         rounds = len(found[members[0][0].label]["rounds"])
         names = ", ".join(f"`{trained.run.name}`" for _, trained in members)
         shown = members[0][0]
-        variant = (f", vocabulary {shown.vocabulary}" if shown.vocabulary else "") + (
-            f", p-min {shown.confidence_cut:g}" if shown.confidence_cut else ""
-        )
+        variant = "".join(f", {part}" for part in variant_parts(shown))
         name = f"**recipe** {names} ({len(members)} seeds x {rounds} round{'s' * (rounds > 1)}{variant})"
         weights = [found[draft.label] for draft, _ in members]
         accepted = [w["accepted_length"] for w in weights if w["accepted_length"] is not None]
@@ -134,13 +134,16 @@ def recipe_rows(drafts: list[tuple[ServedDraft, TrainedRun]], found: dict[str, d
     return rows
 
 
+def variant_parts(draft: ServedDraft) -> list[str]:
+    """How a served draft differs from its run's own, as its name says after the run's: `vocabulary 4096`,
+    `n-max 2`, `p-min 0.5`."""
+    return re.findall(r"\(([^)]*)\)", draft.name.removeprefix(draft.gguf.parent.parent.name))
+
+
 def log_name(draft: ServedDraft) -> str:
-    """`draft-RUN`, `draft-RUN-vocab4096`, `draft-RUN-vocab4096-pmin0.5`: a server log's name, without the label's
-    spaces."""
-    return (
-        f"draft-{draft.gguf.parent.parent.name}"
-        + (f"-vocab{draft.vocabulary}" if draft.vocabulary else "")
-        + (f"-pmin{draft.confidence_cut:g}" if draft.confidence_cut else "")
+    """`draft-RUN`, `draft-RUN-vocabulary4096-pmin0.5`: a server log's name, without the label's spaces."""
+    return f"draft-{draft.gguf.parent.parent.name}" + "".join(
+        "-" + re.sub(r"[^a-z0-9.]", "", part) for part in variant_parts(draft)
     )
 
 
@@ -189,6 +192,12 @@ def measure(args: argparse.Namespace) -> Record:
             raise SystemExit(f"error: {error}") from None
         if args.reduced_only:  # the whole-vocabulary drafts measured before: their launches are not spent again
             served = [(draft, trained) for draft, trained in served if draft.vocabulary]
+    served += [  # each draft again drafting fewer tokens than its block (--spec-draft-n-max)
+        (dataclasses.replace(draft, name=f"{draft.name} (n-max {n})", block=n), trained)
+        for draft, trained in list(served)
+        for n in args.n_max
+        if n < draft.block
+    ]
     served += [  # each draft again with llama.cpp's confidence cut (--spec-draft-p-min)
         (dataclasses.replace(draft, name=f"{draft.name} (p-min {cut:g})", confidence_cut=cut), trained)
         for draft, trained in list(served)
@@ -378,6 +387,15 @@ def main() -> None:
         "cycle's draft ends at its first token less confident than it (e.g. 0.3 0.6)",
     )
     parser.add_argument(
+        "--n-max",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also serve each draft (and each reduced one) drafting at most this many tokens per cycle, llama.cpp's "
+        "--spec-draft-n-max below the block: a shorter block decode and verify batch, with its own break-even "
+        "(e.g. 1 2)",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -396,6 +414,9 @@ def main() -> None:
         raise SystemExit(f"invalid --rounds={args.rounds}: allowed an integer >= 1")
     if args.reduced_only and not args.vocabulary:
         raise SystemExit("invalid --reduced-only without --vocabulary: allowed with --vocabulary N")
+    for n in args.n_max:
+        if n < 1:
+            raise SystemExit(f"invalid --n-max={n}: allowed an integer >= 1, below the drafts' block")
     for cut in args.p_min:
         if not 0 < cut < 1:
             raise SystemExit(f"invalid --p-min={cut:g}: allowed a probability between 0 and 1, exclusive")
