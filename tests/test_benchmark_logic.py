@@ -247,8 +247,8 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
     from benchmarks.common.records import Record, Table
     from benchmarks.serving.shortfall import shortfall_record
 
-    def recipe(label: str, speedup: list[float], accepted: float, vocabulary=None, cut=0.0) -> dict:
-        shape = {"block": 4, "vocabulary": vocabulary, "confidence_cut": cut}
+    def recipe(label: str, speedup: list[float], accepted: float, vocabulary=None, cut=0.0, block=4) -> dict:
+        shape = {"block": block, "vocabulary": vocabulary, "confidence_cut": cut}
         return {"label": label, "speedup": speedup, "accepted_length": accepted} | shape
 
     recipes = [
@@ -271,7 +271,8 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
         ["`c2560`", "4", "2560 (1)", "1.40"],
     ]
     curve = Record("The curve", [Table(columns, curve_rows)])
-    cycle = {"f32": {"plain_ms": 20.0, "block4": {"cycle_ms": 40.0, "verify_ms": 25.0, "draft_side_ms": 15.0}}}
+    split = {"cycle_ms": 40.0, "verify_ms": 25.0, "draft_side_ms": 15.0}
+    cycle = {"f32": {"plain_ms": 20.0, "batch_ms": {"3": 22.0, "4": 25.0}, "block4": split}}
     found = shortfall_record([curve, served, older], [Record("Blocks 4", [], cycle)], "test").values
 
     assert "vocabulary 4096" in found["best"]["label"] and found["best"]["speedup"] == [0.80, 0.40, 1.20]
@@ -290,3 +291,14 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
     found = shortfall_record([curve, served, older], [Record("Blocks 4", [], cycle)], "test").values
     assert found["best"]["label"].endswith("p-min 0.6)") and found["best"]["accepted_length"] == 1.55
     assert found["uncut"]["label"].endswith("vocabulary 4096)") and found["gap"] == pytest.approx(0.40)
+
+    # Drafting 2 tokens of the block (n-max 2) serves best: its break-even is its own block-3 shape's, and the cycle
+    # benchmark split no such cycle, so its verify batch (3 positions) is read alone and the rest is not measured
+    short = "**recipe** `a`, `b` (2 seeds x 2 rounds, vocabulary 4096, n-max 2)"
+    recipes.append(recipe(short, [0.92, 0.80, 1.04], 1.30, 4096, block=3))
+    recipes.append(recipe(short.replace(")", ", p-min 0.6)"), [0.95, 0.90, 1.00], 1.50, 4096, 0.6, block=3))
+    break_evens.append({"block": 3, "vocabulary": 4096, "accepted_length": [1.50, 1.40, 1.60], "cycle_cost": 1.45})
+    found = shortfall_record([curve, served, older], [Record("Blocks 4", [], cycle)], "test").values
+    assert found["best"]["label"].endswith("n-max 2, p-min 0.6)") and found["uncut"]["label"] == short
+    assert found["break_even"] == [1.50, 1.40, 1.60] and found["gap"] == pytest.approx(0.20)
+    assert found["split"] == {"plain_ms": 20.0, "verify": 1.1, "draft_side": None, "cycle": None}

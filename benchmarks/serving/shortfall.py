@@ -73,12 +73,15 @@ def shape(recipe: dict) -> tuple[int, int | None, float]:
     return recipe["block"], recipe["vocabulary"], recipe["confidence_cut"]
 
 
-def cycle_split(records: list[Record], block: int, target: str = TARGET) -> dict[str, float]:
-    """The latest measured split of a block's cycle on `target`, in plain target tokens."""
+def cycle_split(records: list[Record], block: int, target: str = TARGET) -> dict:
+    """The latest measured split of a block's cycle on `target`, in plain target tokens. A shape the cycle-cost
+    benchmark did not split (a draft cut short of its block by --n-max) gets its verify batch alone, from the
+    batch of as many positions; its draft side and whole cycle are None (not measured as such)."""
     for record in reversed(records):
         found = record.values.get(target, {})
+        plain = found.get("plain_ms")
         if f"block{block}" in found:
-            cycle, plain = found[f"block{block}"], found["plain_ms"]
+            cycle = found[f"block{block}"]
             return {
                 "plain_ms": plain,
                 "verify": cycle["verify_ms"] / plain,
@@ -86,7 +89,14 @@ def cycle_split(records: list[Record], block: int, target: str = TARGET) -> dict
                 "cycle": cycle["cycle_ms"] / plain,
                 "record": record.title,
             }
-    raise SystemExit(f"no record of benchmarks/{GROUP}/{CYCLE_PAGE}.md splits a block-{block} cycle on {target}")
+        if str(block) in found.get("batch_ms", {}):
+            verify = found["batch_ms"][str(block)] / plain
+            return {"plain_ms": plain, "verify": verify, "draft_side": None, "cycle": None, "record": record.title}
+    raise SystemExit(f"no record of benchmarks/{GROUP}/{CYCLE_PAGE}.md measures a block-{block} cycle on {target}")
+
+
+def tokens_text(value: float | None) -> str:
+    return "not measured for this shape" if value is None else f"{value:.2f}"
 
 
 def curve_rate(records: list[Record], block: int) -> dict | None:
@@ -143,9 +153,9 @@ def shortfall_record(speedup_records: list[Record], cycle_records: list[Record],
                 ["the verify batch (the target on the block's positions)", f"{split['verify']:.2f}"],
                 [
                     "the draft side (K/V injection, block decode, vocabulary head, host work)",
-                    f"{split['draft_side']:.2f}",
+                    tokens_text(split["draft_side"]),
                 ],
-                ["the whole cycle (whole-vocabulary head)", f"{split['cycle']:.2f}"],
+                ["the whole cycle (whole-vocabulary head)", tokens_text(split["cycle"])],
             ],
         ),
         f"The verify batch alone costs {split['verify']:.2f} plain tokens ({split['plain_ms']:.1f} ms a plain "
