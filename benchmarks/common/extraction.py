@@ -8,7 +8,7 @@ import time
 import torch
 
 from harness.data import Document
-from harness.features import batch_features, final_dtype
+from harness.features import DEVICE_PRECISION, batch_features, final_dtype
 
 
 def matmul_rate(dtype: torch.dtype, tokens: int, hidden: int, inner: int, repeats: int = 5) -> float:
@@ -24,9 +24,10 @@ def matmul_rate(dtype: torch.dtype, tokens: int, hidden: int, inner: int, repeat
 
 @torch.no_grad()
 def extracted(
-    target, documents: list[Document], layer_ids: list[int], precision: str | None = None, batch_size: int = 8
+    target, documents: list[Document], layer_ids: list[int], precision: str = DEVICE_PRECISION, batch_size: int = 8
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
-    """The cache step's (features, final) of each document, and its rate in tokens/s."""
+    """The cache step's (features, final) of each document, computed under `precision` (a FEATURE_PRECISIONS; by
+    default as the cache computes them), and its rate in tokens/s."""
     tokens = sum(len(d.input_ids) for d in documents)
     found = []
     started = time.perf_counter()

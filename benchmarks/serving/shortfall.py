@@ -58,7 +58,7 @@ def best_recipe(records: list[Record], target: str = TARGET) -> BestRecipe:
         recipes = [recipe for recipe in found.get("recipes", []) if "label" in recipe]
         if not recipes:  # none, or written before speedup.py recorded each row's shape
             continue
-        rows = [RecipeRow(r["label"], tuple(r[SPEEDUP]), r["accepted_length"], shape(r)) for r in recipes]
+        rows = [RecipeRow(r["label"], tuple(r[SPEEDUP]), r["accepted_length"], recipe_shape(r)) for r in recipes]
         best = max(rows, key=lambda row: row.speedup[0])
         (uncut,) = [row for row in rows if row.shape == best.shape[:2] + (0.0,)]
         block, vocabulary, _ = best.shape
@@ -68,7 +68,7 @@ def best_recipe(records: list[Record], target: str = TARGET) -> BestRecipe:
     raise SystemExit(f"no record of benchmarks/{GROUP}/{PAGE}.md has labelled recipe rows on the {target} target")
 
 
-def shape(recipe: dict) -> tuple[int, int | None, float]:
+def recipe_shape(recipe: dict) -> tuple[int, int | None, float]:
     """A recipe row's draft shape: block, draft vocabulary (None: the whole one) and confidence cut."""
     return recipe["block"], recipe["vocabulary"], recipe["confidence_cut"]
 

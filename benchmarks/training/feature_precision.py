@@ -5,8 +5,9 @@ own fp32 and bf16 matmul rates measured in the same run, so a record says whethe
 
     python -m benchmarks.training.feature_precision --workdir work --run RUN   # a record for FEATURE_PRECISION.md
 
-The harness computes features in bf16 on an accelerator and in fp32 on every CPU (one cache for every CPU); this
-is the check that the two stay within the tolerance. Run it on a quiet machine: it times extraction.
+By default (`train.feature_precision: device`) the harness computes features in bf16 on an accelerator and in fp32
+on every CPU, and `auto` computes them in bf16 on a CPU with native bf16 too; this is the check that the two stay
+within the tolerance. Run it on a quiet machine: it times extraction.
 """
 
 from __future__ import annotations
