@@ -2,9 +2,10 @@
 
 A claim is a trial of a companion study `<study>:claims`, keyed by its user attr `claim`. Among a key's
 trials that have not failed, the one with the smallest number is the claim, and taking it is Optuna's own
-atomic WAITING -> RUNNING transition: of two launchers racing for one key exactly one wins, on SQLite and
-PostgreSQL alike. The holder refreshes a heartbeat while it works; a claim whose heartbeat is older than
-the grace period belongs to a dead process, so it is failed and the key can be taken again.
+atomic WAITING -> RUNNING transition: of two launchers racing for one key exactly one wins, on PostgreSQL and on
+SQLite (whose transactions `make_storage` makes take the write lock when they begin). The holder refreshes a
+heartbeat while it works; a claim whose heartbeat is older than the grace period belongs to a dead process, so it
+is failed and the key can be taken again.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)  # heartbeats are what we rely on
         try:
-            return optuna.storages.RDBStorage(
+            storage = optuna.storages.RDBStorage(
                 url,
                 heartbeat_interval=max(1, grace // 3),
                 grace_period=grace,
@@ -69,6 +69,29 @@ def make_storage(url: str) -> optuna.storages.RDBStorage:
             raise ConnectionError(
                 f"invalid --storage={url!r}: {reason}; allowed a reachable database (sqlite or postgresql URL)"
             ) from None
+    if url.startswith("sqlite"):
+        _lock_sqlite_transactions(storage.engine)
+    return storage
+
+
+def _lock_sqlite_transactions(engine: sqlalchemy.Engine) -> None:
+    """Make each SQLite transaction take the write lock when it begins.
+
+    Optuna's state changes read a row and then write it (WAITING -> RUNNING succeeds only from WAITING), which is
+    atomic only inside one locked transaction. SQLite ignores SELECT ... FOR UPDATE, and pysqlite opens a
+    transaction only at its first write, so two processes could both read WAITING and both take one trial (or one
+    claim). `BEGIN IMMEDIATE` serialises them; Optuna's sessions last one storage call, so the lock is brief.
+    """
+
+    @sqlalchemy.event.listens_for(engine, "connect")
+    def _no_implicit_transactions(dbapi_connection, _record) -> None:  # noqa: ANN001 (a DB-API connection)
+        dbapi_connection.isolation_level = None  # SQLAlchemy's begin below opens every transaction itself
+
+    @sqlalchemy.event.listens_for(engine, "begin")
+    def _begin_immediate(connection: sqlalchemy.Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    engine.dispose()  # connections pooled while Optuna set the schema up predate the listeners
 
 
 def requeue_interrupted(study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
