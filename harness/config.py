@@ -163,6 +163,9 @@ class EvalConfig:
     # A served objective serves the draft with llama.cpp's confidence cut (--spec-draft-p-min): a cycle's draft ends
     # at its first token less confident than this, and a cycle with none decodes a plain token; 0: no cut.
     served_confidence_cut: float = 0.0
+    # A served objective drafts at most this many tokens per cycle (llama.cpp's --spec-draft-n-max below the
+    # block): a shorter draft decode and verify batch, so a cheaper cycle with a lower break-even; None: the block.
+    served_draft_length: int | None = None
     # The compared serving also serves llama.cpp's n-gram types on the same prompts (four more launches and passes).
     ngram_peers: bool = False
     # A member with a confidence head (DSpark) sends the target only the draft prefix whose predicted

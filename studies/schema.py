@@ -243,6 +243,12 @@ class EvaluateSection(Section):
         description="a served objective serves each run's draft with llama.cpp's confidence cut (--spec-draft-p-min): "
         "a cycle's draft ends at its first token less confident than this; 0: no cut",
     )
+    served_draft_length: int | None = Field(
+        EvalConfig().served_draft_length,
+        ge=1,
+        description="a served objective drafts at most this many tokens per cycle (llama.cpp's --spec-draft-n-max): "
+        "a shorter draft decode and verify batch; below the base's block size; null: the block's",
+    )
     ngram_peers: bool = Field(
         EvalConfig().ngram_peers,
         description="the serving step also serves llama.cpp's n-gram types on the same prompts, beside each run",
@@ -487,6 +493,22 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
             file.evaluate.served_confidence_cut,
             f"0 without a served objective {sorted(served_names.OBJECTIVES)} (only its serving cuts the drafts)",
         )
+    draft_length = file.evaluate.served_draft_length
+    if draft_length is not None and not any(o in served_names.OBJECTIVES for o in objectives):
+        raise _fail(
+            path,
+            "evaluate.served_draft_length",
+            draft_length,
+            f"null without a served objective {sorted(served_names.OBJECTIVES)} (only its serving shortens the drafts)",
+        )
+    if draft_length is not None and draft_length >= run.algorithm.shared.block_size:
+        raise _fail(
+            path,
+            "evaluate.served_draft_length",
+            draft_length,
+            f"an integer from 1 to {run.algorithm.shared.block_size - 1}, below the base's block size "
+            f"{run.algorithm.shared.block_size}",
+        )
     budget = file.budget
     steps = budget.steps_per_trial if budget.steps_per_trial is not None else run.train.max_steps
     budgets = _budgets(path, file, steps, design, run.train)
@@ -532,6 +554,7 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
             served_rounds=evaluate.served_rounds,
             served_vocabulary=evaluate.served_vocabulary,
             served_confidence_cut=evaluate.served_confidence_cut,
+            served_draft_length=evaluate.served_draft_length,
             ngram_peers=evaluate.ngram_peers,
         ),
         nproc_per_node=nproc_per_node,

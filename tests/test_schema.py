@@ -227,6 +227,26 @@ def test_a_served_confidence_cut_needs_a_served_objective_and_a_probability_belo
         parse_study(_set(served, "evaluate.served_confidence_cut", 1), "search.yaml")
 
 
+def test_a_served_draft_length_needs_a_served_objective_and_lies_below_the_block():
+    served = _set(
+        _set(SEARCH, "objective", "served_speedup"), "evaluate", {"serve": "llama.cpp", "served_draft_length": 2}
+    )
+    assert parse_study(served, "search.yaml").evaluation.served_draft_length == 2
+    assert parse_study(SEARCH, "search.yaml").evaluation.served_draft_length is None  # the whole block unless asked
+    with pytest.raises(
+        StudyDefinitionError, match=r"invalid field evaluate.served_draft_length=2: allowed null without"
+    ):
+        parse_study(_set(SEARCH, "evaluate", {"serve": "llama.cpp", "served_draft_length": 2}), "search.yaml")
+    block = parse_study(SEARCH, "search.yaml").base.algorithm.shared.block_size
+    with pytest.raises(
+        StudyDefinitionError,
+        match=rf"invalid field evaluate.served_draft_length={block}: allowed an integer from 1 to {block - 1}, below",
+    ):
+        parse_study(_set(served, "evaluate.served_draft_length", block), "search.yaml")
+    with pytest.raises(StudyDefinitionError, match=r"invalid field evaluate.served_draft_length=0"):
+        parse_study(_set(served, "evaluate.served_draft_length", 0), "search.yaml")
+
+
 def test_a_sweep_over_the_data_needs_one_validation_set_and_prepares_each_mixture_once():
     data = yaml.safe_load((ROOT / "studies" / "data-mixture.yaml").read_text())
     definition = parse_study(data, "data-mixture.yaml")

@@ -194,11 +194,12 @@ def test_a_design_served_for_its_objective_fits_effects_on_the_served_speed_up(e
     its speed alone in two rounds of fresh launches (no harness decode, no cycle comparison), the trial's value is
     its runs' mean speed-up, and the report fits the conv effect on the served speed-up beside the offline one,
     with the pooled launch noise; each draft proposes from the 256 tokens its replies use most (`served_vocabulary`,
-    a d2t map) and with llama.cpp's confidence cut at 0.5; a relaunch serves nothing again."""
+    a d2t map) and with llama.cpp's confidence cut at 0.5, drafting at most 3 of its 7 tokens; a relaunch serves
+    nothing again."""
     text = DESIGN.read_text().replace("name: tiny-design", "name: served-design")
     text = text.replace("objective: realized_accepted_length", "objective: served_speedup")
     text += "evaluate: {serve: llama.cpp, num_prompts: 1, max_new_tokens: 16, temperatures: [0], served_rounds: 2, "
-    text += "served_vocabulary: 256, served_confidence_cut: 0.5}\n"
+    text += "served_vocabulary: 256, served_confidence_cut: 0.5, served_draft_length: 3}\n"
     study_file = tmp_path / "served-design.yaml"
     study_file.write_text(text)
     done = launch_study(study_file, e2e_workdir, cwd=tmp_path)
@@ -219,6 +220,7 @@ def test_a_design_served_for_its_objective_fits_effects_on_the_served_speed_up(e
         assert f"{served_names.PREFIX}{served_names.AGREEMENT_CYCLES}" not in metrics  # no cycle comparison
         assert metrics[f"{served_names.PREFIX}{served_names.VOCABULARY}"] == 256
         assert metrics[f"{served_names.PREFIX}{served_names.CONFIDENCE_CUT}"] == 0.5
+        assert metrics[f"{served_names.PREFIX}{served_names.DRAFT_LENGTH}"] == 3  # of the block's 7
         assert (
             e2e_workdir / "runs" / run.info.run_name / SERVED_DIR / f"{Path(DRAFT_GGUF_FILE).stem}-vocab256.gguf"
         ).is_file()

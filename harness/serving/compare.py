@@ -167,7 +167,7 @@ def serve_speed_run(
     """Serve one run's draft for its speed alone (speed.py: rounds of fresh launches, no harness decode) and log
     it: what a study's served objective costs per trial. With `config.served_vocabulary` the draft proposes from the
     tokens its training `replies` use most; with `config.served_confidence_cut` its cycles end at an unconfident
-    token."""
+    token; with `config.served_draft_length` they draft at most that many tokens."""
     check_servable(draft)
     sets = prompt_sets(target.tokenizer, chat_documents, config)
     check_prompts_fit(sets, config.max_new_tokens)
@@ -177,11 +177,16 @@ def serve_speed_run(
         served_as = served_draft(engine, run, draft, target)
         if config.served_vocabulary is not None:
             served_as = reduced_draft(engine, run, served_as, target, replies, config.served_vocabulary)
-        served_as = dataclasses.replace(served_as, confidence_cut=config.served_confidence_cut)
+        served_as = dataclasses.replace(
+            served_as,
+            confidence_cut=config.served_confidence_cut,
+            block=min(served_as.block, config.served_draft_length or served_as.block),  # a swept smaller block wins
+        )
         speed = serve_speed(session, model, served_as, sets, config.max_new_tokens, config.served_rounds)
         metrics = speed.metrics() | {
             names.VOCABULARY: config.served_vocabulary or target.spec.vocab_size,
             names.CONFIDENCE_CUT: config.served_confidence_cut,
+            names.DRAFT_LENGTH: served_as.block,
         }
         log_served(run, engine, metrics, speed.records())
     return metrics

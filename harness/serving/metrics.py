@@ -25,6 +25,7 @@ ROUNDS = "speed_rounds"  # fresh launches (drafted and alone) the speed-up is th
 LAUNCH_VARIANCE = "speedup_launch_variance"  # the round speed-ups' sample variance: launch-to-launch noise
 VOCABULARY = "draft_vocabulary"  # the tokens a speed-only serving's draft proposes from: all, or its reduced head's
 CONFIDENCE_CUT = "draft_confidence_cut"  # a speed-only serving's --spec-draft-p-min (0: every cycle drafts its block)
+DRAFT_LENGTH = "draft_length"  # the tokens a speed-only serving drafts per cycle at most (--spec-draft-n-max)
 
 
 # llama.cpp's training-free speculation, served beside a run's draft on the same prompts (compare.py, benchmarks).
@@ -119,6 +120,7 @@ NAMES = (
     LAUNCH_VARIANCE,
     VOCABULARY,
     CONFIDENCE_CUT,
+    DRAFT_LENGTH,
     *OBJECTIVES,
     *(column for column in COLUMNS if column not in OBJECTIVES),
 )
