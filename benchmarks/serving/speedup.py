@@ -237,7 +237,7 @@ def measure(args: argparse.Namespace) -> Record:
         shapes = break_evens(session, model, drafts, prompts, args)
         speeds = [[mean_speed(timed.before), mean_speed(timed.after)] for timed in rounds]
         values[key] = {"alone_tokens_per_s": speeds[0] if len(speeds) == 1 else speeds}
-        values[key] |= {name.strip("`"): found for name, (_, found) in rows.items()}
+        values[key] |= {name.replace("`", ""): found for name, (_, found) in rows.items()}
         values[key] |= {"recipes": [found for _, found in pooled]} if pooled else {}
         values[key]["break_even"] = [found for _, found in shapes]
         columns = [
