@@ -147,6 +147,7 @@ def test_over_rounds_a_speedup_rows_interval_is_over_the_rounds_and_a_recipe_row
         (rows[1][0][0], 4, None, 0.5),
         (rows[2][0][0], 3, None, 0.0),
     ]
+    assert {v["trained_block"] for _, v in rows} == {8}  # the runs' config (the preset's block), not the served 3
 
 
 def test_the_target_alone_is_the_mean_of_its_passes_before_and_after_the_drafts():
@@ -302,3 +303,10 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
     assert found["best"]["label"].endswith("n-max 2, p-min 0.6)") and found["uncut"]["label"] == short
     assert found["break_even"] == [1.50, 1.40, 1.60] and found["gap"] == pytest.approx(0.20)
     assert found["split"] == {"plain_ms": 20.0, "verify": 1.1, "draft_side": None, "cycle": None}
+    assert "curve" not in found  # no block-3 curve, and these rows do not say what block their drafts trained at
+    # rows that say it (block 4) read that block's curve instead, saying so: 0.20 at 0.10 per fourfold is 2 more
+    for row in recipes[-2:]:
+        row["trained_block"] = 4
+    record = shortfall_record([curve, served, older], [Record("Blocks 4", [], cycle)], "test")
+    assert record.values["curve"]["block"] == 4 and record.values["curve"]["fourfolds_needed"] == pytest.approx(2)
+    assert "at the drafts' trained block 4 (no curve at block 3" in record.blocks[-1]

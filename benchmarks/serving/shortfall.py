@@ -38,6 +38,7 @@ class RecipeRow:
     speedup: tuple[float, float, float]  # value, low, high
     accepted_length: float
     shape: tuple[int, int | None, float]  # block, draft vocabulary, confidence cut
+    trained_block: int | None  # the block its drafts were trained at (an n-max cut serves fewer); None: not recorded
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,10 @@ def best_recipe(records: list[Record], target: str = TARGET) -> BestRecipe:
         recipes = [recipe for recipe in found.get("recipes", []) if "label" in recipe]
         if not recipes:  # none, or written before speedup.py recorded each row's shape
             continue
-        rows = [RecipeRow(r["label"], tuple(r[SPEEDUP]), r["accepted_length"], recipe_shape(r)) for r in recipes]
+        rows = [
+            RecipeRow(r["label"], tuple(r[SPEEDUP]), r["accepted_length"], recipe_shape(r), r.get("trained_block"))
+            for r in recipes
+        ]
         best = max(rows, key=lambda row: row.speedup[0])
         (uncut,) = [row for row in rows if row.shape == best.shape[:2] + (0.0,)]
         block, vocabulary, _ = best.shape
@@ -126,7 +130,17 @@ def shortfall_record(speedup_records: list[Record], cycle_records: list[Record],
     found = best_recipe(speedup_records)
     best, uncut, shape = found.best, found.uncut, found.break_even
     split = cycle_split(cycle_records, shape.block)
-    curve = curve_rate(speedup_records, shape.block)
+    curve_block = shape.block
+    curve = curve_rate(speedup_records, curve_block)
+    if curve is None and best.trained_block not in (None, shape.block):  # an n-max cut of a trained block
+        curve_block = best.trained_block
+        curve = curve_rate(speedup_records, curve_block)
+    of_block = (
+        ""
+        if curve_block == shape.block
+        else f" at the drafts' trained block {curve_block} (no curve at block {shape.block}: a draft cut to fewer "
+        "tokens may gain less per conversation)"
+    )
     gap = shape.value - uncut.accepted_length
     value, low, high = best.speedup
     against = (
@@ -174,20 +188,20 @@ def shortfall_record(speedup_records: list[Record], cycle_records: list[Record],
         conversations = curve["most"] * 4**fourfolds
         blocks.append(
             f"**What the curve says** (an extrapolation from two points, not measured): served accepted length rose "
-            f"{curve['per_fourfold']:+.3f} per fourfold training conversations, {curve['low']:.2f} at "
+            f"{curve['per_fourfold']:+.3f} per fourfold training conversations{of_block}, {curve['low']:.2f} at "
             f"{curve['fewest']} and {curve['high']:.2f} at {curve['most']} (the latest curve record, chit-chat data "
             f"and its own prompts). At that rate the gap of {gap:.2f} takes {fourfolds:.1f} more fourfold steps, about "
             f"{conversations:,.0f} conversations: more data of one kind alone does not close it within this CPU's "
             "budget; the cycle's cost has to fall, or the acceptance per conversation rise."
         )
-        values["curve"] = curve | {"fourfolds_needed": fourfolds}
+        values["curve"] = curve | {"fourfolds_needed": fourfolds, "block": curve_block}
     elif curve:
         blocks.append(
-            f"**What the curve says**: served accepted length did not rise with data ({curve['low']:.2f} at "
+            f"**What the curve says**: served accepted length did not rise with data{of_block} ({curve['low']:.2f} at "
             f"{curve['fewest']} conversations, {curve['high']:.2f} at {curve['most']}), so it gives no rate to "
             "extrapolate."
         )
-        values["curve"] = curve
+        values["curve"] = curve | {"block": curve_block}
     else:
         blocks.append(f"**What the curve says**: no curve record at block {shape.block} on this page.")
     return Record("Where the best drafter falls short", blocks, values, Provenance.now(command, derived=True))

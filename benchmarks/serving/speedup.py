@@ -123,6 +123,7 @@ def recipe_rows(drafts: list[tuple[ServedDraft, TrainedRun]], found: dict[str, d
         values = {
             "label": name,
             "block": shown.block + 1,
+            "trained_block": members[0][1].config.algorithm.shared.block_size,  # before an n-max cut
             "vocabulary": shown.vocabulary,
             "confidence_cut": shown.confidence_cut,
             served_names.SPEEDUP: [pooled.value, pooled.low, pooled.high],
