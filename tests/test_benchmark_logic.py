@@ -310,3 +310,16 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
     record = shortfall_record([curve, served, older], [Record("Blocks 4", [], cycle)], "test")
     assert record.values["curve"]["block"] == 4 and record.values["curve"]["fourfolds_needed"] == pytest.approx(2)
     assert "at the drafts' trained block 4 (no curve at block 3" in record.blocks[-1]
+    assert not any("The split was measured on" in str(block) for block in record.blocks)  # one (unknown) machine
+    # a split measured on another machine than the served launch is named as such: plain tokens differ by machine
+    from benchmarks.common.records import Provenance
+
+    def on(flags: list[str]) -> Provenance:
+        return Provenance("2026-12-07 08:00 UTC", "AMD EPYC", 2, flags, "abc", "test", "2.13")
+
+    served.provenance = on(["avx2", "avx512_bf16"])
+    record = shortfall_record([curve, served], [Record("Blocks 4", [], cycle, on(["avx2"]))], "test")
+    assert (
+        "The split was measured on AMD EPYC (2 cores; avx2), the served launch on AMD EPYC (2 cores; avx2, "
+        "avx512_bf16)" in record.blocks[2]
+    )

@@ -63,16 +63,17 @@ class Provenance:
             del fields["derived"]
         return fields
 
+    @property
+    def machine(self) -> str:
+        """`AMD EPYC (2 cores; avx2)`: the CPU a record was measured on, as its line names it."""
+        return f"{self.cpu} ({self.cores} cores; {', '.join(self.cpu_flags) or 'no AVX2'})"
+
     def line(self) -> str:
-        flags = ", ".join(self.cpu_flags) or "no AVX2"
         engine = f", llama.cpp {self.engine[:9]}" if self.engine else ""
         commit = f"commit {self.commit}" if self.commit else "no commit recorded"
         if self.derived:
             return f"*Read {self.date} from recorded results, nothing measured, {commit}: `{self.command}`.*"
-        return (
-            f"*Measured {self.date} on {self.cpu} ({self.cores} cores; {flags}), torch {self.torch}{engine}, "
-            f"{commit}: `{self.command}`.*"
-        )
+        return f"*Measured {self.date} on {self.machine}, torch {self.torch}{engine}, {commit}: `{self.command}`.*"
 
 
 @dataclass(frozen=True)

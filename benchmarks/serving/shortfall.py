@@ -49,6 +49,7 @@ class BestRecipe:
     uncut: RecipeRow
     break_even: BreakEven
     record_title: str
+    machine: str | None  # where the record was measured; None: not recorded
 
 
 def best_recipe(records: list[Record], target: str = TARGET) -> BestRecipe:
@@ -68,7 +69,8 @@ def best_recipe(records: list[Record], target: str = TARGET) -> BestRecipe:
         block, vocabulary, _ = best.shape
         (line,) = [b for b in found["break_even"] if (b["block"], b["vocabulary"]) == (block, vocabulary)]
         break_even = BreakEven(block, vocabulary, *line["accepted_length"], line["cycle_cost"])
-        return BestRecipe(best, uncut, break_even, record.title)
+        machine = record.provenance.machine if record.provenance else None
+        return BestRecipe(best, uncut, break_even, record.title, machine)
     raise SystemExit(f"no record of benchmarks/{GROUP}/{PAGE}.md has labelled recipe rows on the {target} target")
 
 
@@ -92,10 +94,19 @@ def cycle_split(records: list[Record], block: int, target: str = TARGET) -> dict
                 "draft_side": cycle["draft_side_ms"] / plain,
                 "cycle": cycle["cycle_ms"] / plain,
                 "record": record.title,
+                "machine": record.provenance.machine if record.provenance else None,
             }
         if str(block) in found.get("batch_ms", {}):
             verify = found["batch_ms"][str(block)] / plain
-            return {"plain_ms": plain, "verify": verify, "draft_side": None, "cycle": None, "record": record.title}
+            machine = record.provenance.machine if record.provenance else None
+            return {
+                "plain_ms": plain,
+                "verify": verify,
+                "draft_side": None,
+                "cycle": None,
+                "record": record.title,
+                "machine": machine,
+            }
     raise SystemExit(f"no record of benchmarks/{GROUP}/{CYCLE_PAGE}.md measures a block-{block} cycle on {target}")
 
 
@@ -173,7 +184,13 @@ def shortfall_record(speedup_records: list[Record], cycle_records: list[Record],
             ],
         ),
         f"The verify batch alone costs {split['verify']:.2f} plain tokens ({split['plain_ms']:.1f} ms a plain "
-        f"token): a draft whose side cost nothing would still need {split['verify']:.2f} accepted tokens per cycle.",
+        f"token): a draft whose side cost nothing would still need {split['verify']:.2f} accepted tokens per cycle."
+        + (
+            f" The split was measured on {split['machine']}, the served launch on {found.machine}: each part is "
+            "in that machine's plain tokens, not this launch's."
+            if split["machine"] != found.machine
+            else ""
+        ),
     ]
     values = {
         "best": {"label": best.label, SPEEDUP: list(best.speedup), "accepted_length": best.accepted_length},
@@ -181,7 +198,7 @@ def shortfall_record(speedup_records: list[Record], cycle_records: list[Record],
         "break_even": [shape.value, shape.low, shape.high],
         "cycle_cost": shape.cycle_cost,
         "gap": gap,
-        "split": {k: v for k, v in split.items() if k != "record"},
+        "split": {k: v for k, v in split.items() if k not in ("record", "machine")},
     }
     if curve and curve["per_fourfold"] > 0:
         fourfolds = gap / curve["per_fourfold"]
