@@ -310,6 +310,11 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
     record = shortfall_record([curve, served, older], [Record("Blocks 4", [], cycle)], "test")
     assert record.values["curve"]["block"] == 4 and record.values["curve"]["fourfolds_needed"] == pytest.approx(2)
     assert "at the drafts' trained block 4 (no curve at block 3" in record.blocks[-1]
+    assert record.values["split"]["cycle"] is None  # no cut cycle timed: the verify batch alone, as above
+    # ... and where the cycle benchmark timed the block-4 draft cut to 2 tokens, that cycle is split in full
+    cut = {"f32": cycle["f32"] | {"block4_n_max2": 30.0}}
+    split = shortfall_record([curve, served], [Record("Blocks 4", [], cut)], "test").values["split"]
+    assert split == pytest.approx({"plain_ms": 20.0, "verify": 1.1, "draft_side": 0.4, "cycle": 1.5})
     assert not any("The split was measured on" in str(block) for block in record.blocks)  # one (unknown) machine
     # a split measured on another machine than the served launch is named as such: plain tokens differ by machine
     from benchmarks.common.records import Provenance

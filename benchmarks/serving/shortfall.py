@@ -79,34 +79,32 @@ def recipe_shape(recipe: dict) -> tuple[int, int | None, float]:
     return recipe["block"], recipe["vocabulary"], recipe["confidence_cut"]
 
 
-def cycle_split(records: list[Record], block: int, target: str = TARGET) -> dict:
-    """The latest measured split of a block's cycle on `target`, in plain target tokens. A shape the cycle-cost
-    benchmark did not split (a draft cut short of its block by --n-max) gets its verify batch alone, from the
-    batch of as many positions; its draft side and whole cycle are None (not measured as such)."""
+def cycle_split(records: list[Record], block: int, trained_block: int | None = None, target: str = TARGET) -> dict:
+    """The latest measured split of a block's cycle on `target`, in plain target tokens. A draft of
+    `trained_block` cut to `block - 1` tokens by --n-max is split from its own cut cycle where the cycle-cost
+    benchmark timed one (its verify batch is the batch of `block` positions); failing that, a shape it did not
+    split gets its verify batch alone, and its draft side and whole cycle are None (not measured as such)."""
     for record in reversed(records):
         found = record.values.get(target, {})
         plain = found.get("plain_ms")
+        machine = record.provenance.machine if record.provenance else None
+        cut = f"block{trained_block}_n_max{block - 1}"
         if f"block{block}" in found:
-            cycle = found[f"block{block}"]
-            return {
-                "plain_ms": plain,
-                "verify": cycle["verify_ms"] / plain,
-                "draft_side": cycle["draft_side_ms"] / plain,
-                "cycle": cycle["cycle_ms"] / plain,
-                "record": record.title,
-                "machine": record.provenance.machine if record.provenance else None,
-            }
-        if str(block) in found.get("batch_ms", {}):
-            verify = found["batch_ms"][str(block)] / plain
-            machine = record.provenance.machine if record.provenance else None
-            return {
-                "plain_ms": plain,
-                "verify": verify,
-                "draft_side": None,
-                "cycle": None,
-                "record": record.title,
-                "machine": machine,
-            }
+            cycle_ms, verify_ms = found[f"block{block}"]["cycle_ms"], found[f"block{block}"]["verify_ms"]
+        elif cut in found:
+            cycle_ms, verify_ms = found[cut], found["batch_ms"][str(block)]
+        elif str(block) in found.get("batch_ms", {}):
+            cycle_ms, verify_ms = None, found["batch_ms"][str(block)]
+        else:
+            continue
+        return {
+            "plain_ms": plain,
+            "verify": verify_ms / plain,
+            "draft_side": None if cycle_ms is None else (cycle_ms - verify_ms) / plain,
+            "cycle": None if cycle_ms is None else cycle_ms / plain,
+            "record": record.title,
+            "machine": machine,
+        }
     raise SystemExit(f"no record of benchmarks/{GROUP}/{CYCLE_PAGE}.md measures a block-{block} cycle on {target}")
 
 
@@ -140,7 +138,7 @@ def curve_rate(records: list[Record], block: int) -> dict | None:
 def shortfall_record(speedup_records: list[Record], cycle_records: list[Record], command: str | None = None) -> Record:
     found = best_recipe(speedup_records)
     best, uncut, shape = found.best, found.uncut, found.break_even
-    split = cycle_split(cycle_records, shape.block)
+    split = cycle_split(cycle_records, shape.block, best.trained_block)
     curve_block = shape.block
     curve = curve_rate(speedup_records, curve_block)
     if curve is None and best.trained_block not in (None, shape.block):  # an n-max cut of a trained block
