@@ -472,35 +472,29 @@ def parse_study(data: Any, path: str = "<study>") -> StudyDefinition:
             file.evaluate.registered_model,
             "a model name with one objective (a Pareto study has no single best run)",
         )
-    if any(o in served_names.OBJECTIVES for o in objectives) and file.evaluate.serve is None:
+    served = any(o in served_names.OBJECTIVES for o in objectives)
+    if served and file.evaluate.serve is None:
         raise _fail(
             path,
             "objective",
             file.objective,
             "a served objective with evaluate.serve: llama.cpp (the engine it is served in)",
         )
-    if file.evaluate.served_vocabulary is not None and not any(o in served_names.OBJECTIVES for o in objectives):
-        raise _fail(
-            path,
-            "evaluate.served_vocabulary",
-            file.evaluate.served_vocabulary,
-            f"null without a served objective {sorted(served_names.OBJECTIVES)} (only its serving drafts over it)",
-        )
-    if file.evaluate.served_confidence_cut and not any(o in served_names.OBJECTIVES for o in objectives):
-        raise _fail(
-            path,
-            "evaluate.served_confidence_cut",
-            file.evaluate.served_confidence_cut,
-            f"0 without a served objective {sorted(served_names.OBJECTIVES)} (only its serving cuts the drafts)",
-        )
+    served_only = (  # what only a served objective's serving reads: (field, as set, unset, what it does)
+        ("served_vocabulary", file.evaluate.served_vocabulary, None, "only its serving drafts over it"),
+        ("served_confidence_cut", file.evaluate.served_confidence_cut, 0, "only its serving cuts the drafts"),
+        ("served_draft_length", file.evaluate.served_draft_length, None, "only its serving shortens the drafts"),
+    )
+    for name, value, unset, what in served_only:
+        if not served and value != unset:
+            raise _fail(
+                path,
+                f"evaluate.{name}",
+                value,
+                f"{'null' if unset is None else unset} without a served objective {sorted(served_names.OBJECTIVES)} "
+                f"({what})",
+            )
     draft_length = file.evaluate.served_draft_length
-    if draft_length is not None and not any(o in served_names.OBJECTIVES for o in objectives):
-        raise _fail(
-            path,
-            "evaluate.served_draft_length",
-            draft_length,
-            f"null without a served objective {sorted(served_names.OBJECTIVES)} (only its serving shortens the drafts)",
-        )
     if draft_length is not None and draft_length >= run.algorithm.shared.block_size:
         raise _fail(
             path,
