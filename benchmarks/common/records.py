@@ -95,6 +95,11 @@ class Record:
     values: dict = field(default_factory=dict)
     provenance: Provenance | None = None  # None only for results measured before records existed (their text says)
 
+    @property
+    def machine(self) -> str | None:
+        """The CPU it was measured on (Provenance.machine); None for a record from before provenance."""
+        return self.provenance.machine if self.provenance else None
+
     def markdown(self) -> str:
         parts = [f"## {self.title}"]
         if self.provenance is not None:

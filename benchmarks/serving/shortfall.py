@@ -69,8 +69,7 @@ def best_recipe(records: list[Record], target: str = TARGET) -> BestRecipe:
         block, vocabulary, _ = best.shape
         (line,) = [b for b in found["break_even"] if (b["block"], b["vocabulary"]) == (block, vocabulary)]
         break_even = BreakEven(block, vocabulary, *line["accepted_length"], line["cycle_cost"])
-        machine = record.provenance.machine if record.provenance else None
-        return BestRecipe(best, uncut, break_even, record.title, machine)
+        return BestRecipe(best, uncut, break_even, record.title, record.machine)
     raise SystemExit(f"no record of benchmarks/{GROUP}/{PAGE}.md has labelled recipe rows on the {target} target")
 
 
@@ -87,7 +86,6 @@ def cycle_split(records: list[Record], block: int, trained_block: int | None = N
     for record in reversed(records):
         found = record.values.get(target, {})
         plain = found.get("plain_ms")
-        machine = record.provenance.machine if record.provenance else None
         cut = f"block{trained_block}_n_max{block - 1}"
         if f"block{block}" in found:
             cycle_ms, verify_ms = found[f"block{block}"]["cycle_ms"], found[f"block{block}"]["verify_ms"]
@@ -103,7 +101,7 @@ def cycle_split(records: list[Record], block: int, trained_block: int | None = N
             "draft_side": None if cycle_ms is None else (cycle_ms - verify_ms) / plain,
             "cycle": None if cycle_ms is None else cycle_ms / plain,
             "record": record.title,
-            "machine": machine,
+            "machine": record.machine,
         }
     raise SystemExit(f"no record of benchmarks/{GROUP}/{CYCLE_PAGE}.md measures a block-{block} cycle on {target}")
 
