@@ -1,7 +1,7 @@
 """Pure-torch DFlash-family draft algorithms: models, losses and metrics (no I/O)."""
 
 from algorithms.knobs import ConvKnobs, DFlash2Knobs, DFlashKnobs, SelectorKnobs, SharedKnobs
-from algorithms.modeling import TargetSpec
+from algorithms.modeling import TargetLayers, TargetSpec
 from algorithms.registry import ALGORITHMS, Algorithm, AlgorithmConfig, algorithm_entry, build_draft
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "DFlashKnobs",
     "SelectorKnobs",
     "SharedKnobs",
+    "TargetLayers",
     "TargetSpec",
     "algorithm_entry",
     "build_draft",

@@ -20,6 +20,7 @@ LOSS_NAMES = ("kl_div", "rkl", "jsd", "ce", "tv", "nla", "lk_hybrid")
 POSITION_WEIGHTINGS = ("fixed-exp-decay", "dpace", "uniform")
 BLOCK_ATTENTIONS = ("bidirectional", "causal")
 SELECTOR_INITS = ("zero_successor", "normal")
+DRAFT_INITS = ("random", "target")
 
 
 class KnobError(ValueError):
@@ -130,6 +131,7 @@ class SharedKnobs:
         "max_anchors",
         "sliding_window",
         "candidate_top_k",
+        "draft_init",
     )
 
     block_size: int = knob(8, "tokens per draft block, the anchor included")
@@ -153,6 +155,12 @@ class SharedKnobs:
     draft_vocab_size: int | None = knob(None, "none: the full verifier vocabulary")
     candidate_top_k: int = knob(
         16, "K of the unary candidate set: the selector's candidates, recall@K and the oracle path"
+    )
+    draft_init: str = knob(
+        "random",
+        "how the draft's layers start: random (normal, std 0.02), or target: copies of the target's layers from "
+        "the one its last fed hidden state enters, with fc passing that hidden state through",
+        choices=DRAFT_INITS,
     )
 
     @property

@@ -7,6 +7,7 @@ blocks (norm, rotary, attention, MLP), one decoder layer and the backbone.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,15 @@ class TargetSpec:
     input_embedding_scale: float = 1.0
     name_or_path: str = ""
     architectures: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TargetLayers:
+    """The verifier's decoder tensors a draft can start from (`draft_init: target`): each layer's by its name within
+    the layer (Hugging Face's: `self_attn.q_proj.weight`, ...) and the final norm's weight."""
+
+    layers: Sequence[Mapping[str, torch.Tensor]]
+    final_norm: torch.Tensor
 
 
 @dataclass
@@ -257,6 +267,35 @@ class DraftBackbone(nn.Module):
             for conv in (layer.attention_conv, layer.mlp_conv):
                 if conv is not None:
                     conv.reset_parameters()  # identity init, re-applied after generic init
+
+    # What a draft layer must take from a target layer for the copy to mean anything: its projections
+    COPIED_FROM_TARGET = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo") + tuple(
+        f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")
+    )
+
+    @torch.no_grad()
+    def init_from_target(self, target: TargetLayers) -> None:
+        """Start as the target's own layers: draft layer j copies target layer first + j, where `first` is the layer
+        the last fed hidden state enters (moved down so that every draft layer has one); `hidden_norm` copies that
+        layer's input norm and `fc` passes the last hidden state through unchanged, so (unless moved) the context
+        values of draft layer 0 are the ones target layer `first` computes. The final norm is the target's; what a
+        target layer lacks (a conv, a q/k norm) keeps its own init."""
+        count = len(self.layers)  # no deeper than the target's: draft_config checks
+        first = min(self.config.target_layer_ids[-1], len(target.layers) - count)
+        for layer, source in zip(self.layers, target.layers[first : first + count], strict=True):
+            own = layer.state_dict()
+            missing = [name for name in self.COPIED_FROM_TARGET if name not in source]
+            if missing:
+                raise knob_error("draft_init", "target", f"random for a target whose layers lack {missing}")
+            layer.load_state_dict(
+                {name: value for name, value in source.items() if name in own and own[name].shape == value.shape},
+                strict=False,
+            )
+        self.hidden_norm.weight.copy_(target.layers[first]["input_layernorm.weight"])
+        self.norm.weight.copy_(target.final_norm)
+        hidden = self.fc.out_features
+        self.fc.weight.zero_()
+        self.fc.weight[:, -hidden:] = torch.eye(hidden)
 
     def logit_transform(self, logits: torch.Tensor) -> torch.Tensor:
         """The verifier's final-logit transform: multiplier then softcap, before any top-K."""

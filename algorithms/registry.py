@@ -30,7 +30,7 @@ from algorithms.knobs import (
     knob_error,
     knob_names,
 )
-from algorithms.modeling import DraftConfig, TargetSpec
+from algorithms.modeling import DraftConfig, TargetLayers, TargetSpec
 
 # Published shared defaults: DFlash trains blocks of 16 with CE + D-PACE, DFlash2 blocks of 8 with KL
 # and a fixed exponential decay. The component variants are DFlash2 with a part removed, so they
@@ -307,6 +307,9 @@ def draft_config(config: AlgorithmConfig, target: TargetSpec) -> DraftConfig:
         )
     if shared.mask_token_id is None:
         raise knob_error("mask_token_id", None, f"an existing token id in [0, {target.vocab_size}) (no vocab resize)")
+    if shared.draft_init == "target" and shared.num_draft_layers > target.num_hidden_layers:
+        allowed = f"random for a draft deeper than its target's {target.num_hidden_layers} layers"
+        raise knob_error("draft_init", "target", allowed)
     conv: ConvKnobs | None = config.knobs if entry.has_conv else None
     resolved = DraftConfig(
         target=target,
@@ -324,7 +327,17 @@ def draft_config(config: AlgorithmConfig, target: TargetSpec) -> DraftConfig:
 
 
 def build_draft(
-    config: AlgorithmConfig, target: TargetSpec, embed_weight: torch.Tensor, head_weight: torch.Tensor
+    config: AlgorithmConfig,
+    target: TargetSpec,
+    embed_weight: torch.Tensor,
+    head_weight: torch.Tensor,
+    target_layers: TargetLayers | None = None,
 ) -> DFlashDraft:
-    """A freshly initialised draft of `config.algorithm` for the given target and frozen tensors."""
-    return config.entry.draft_class(draft_config(config, target), config, embed_weight, head_weight)
+    """A freshly initialised draft of `config.algorithm` for the given target and frozen tensors; `draft_init:
+    target` starts its layers from `target_layers`, which it then needs."""
+    draft = config.entry.draft_class(draft_config(config, target), config, embed_weight, head_weight)
+    if config.shared.draft_init == "target":
+        if target_layers is None:
+            raise knob_error("draft_init", "target", "random where the target's layers are not loaded")
+        draft.init_from_target(target_layers)
+    return draft

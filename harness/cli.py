@@ -100,6 +100,7 @@ def planned_draft(config, workdir: Path):
     algorithm = config.algorithm
     if algorithm.shared.mask_token_id is None:
         algorithm = algorithm.replace(mask_token_id=0)  # placeholder for shape counting only; chosen at train time
+    algorithm = algorithm.replace(draft_init="random")  # the shapes are the same, and no target weights are loaded
     try:
         spec = target_spec(target_config(config.target, workdir), config.target)
         with devices.shapes_only():

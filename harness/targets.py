@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
-from algorithms import TargetSpec
+from algorithms import TargetLayers, TargetSpec
 from algorithms.modeling import ROPE_SCALING_FIELDS, ROPE_SCALINGS
 from harness.devices import dtype_name, target_weights_dtype
 from harness.files import atomic_write, file_sha256
@@ -47,6 +47,12 @@ class Target:
     @property
     def head_weight(self) -> torch.Tensor:
         return self.model.get_output_embeddings().weight
+
+    @property
+    def layers(self) -> TargetLayers:
+        """Its decoder layers' tensors and final norm, which a draft with `draft_init: target` starts from."""
+        decoder = self.model.base_model
+        return TargetLayers([layer.state_dict() for layer in decoder.layers], decoder.norm.weight)
 
     def identity(self, workdir: Path) -> dict[str, str]:
         """The target as a run's params record it: a source inside the work directory relative to it, so a

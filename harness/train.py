@@ -173,7 +173,7 @@ def with_target_defaults(config: RunConfig, target: Target) -> RunConfig:
 
 
 def build_for_target(config: RunConfig, target: Target) -> DFlashDraft:
-    return build_draft(config.algorithm, target.spec, target.embed_weight, target.head_weight)
+    return build_draft(config.algorithm, target.spec, target.embed_weight, target.head_weight, target.layers)
 
 
 def checkpoint_config(state: dict) -> RunConfig:
