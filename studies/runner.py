@@ -263,6 +263,19 @@ def baseline_run_name(study: str, baseline: str, seed: int, longer_steps: int | 
     return f"{study}-baseline-{baseline}-seed{seed}" + (f"-steps{longer_steps}" if longer_steps else "")
 
 
+def param_importances(definition: StudyDefinition, study: optuna.Study) -> tuple[dict[str, float], str | None]:
+    """Optuna's importance of each searched knob for the (first) objective, or none and why not."""
+    try:
+        if definition.design is not None:
+            raise ValueError("a designed study reports fitted effects instead (see its report)")
+        if not definition.search_space:  # asked anyway, Optuna warns that there are too few trials
+            raise ValueError("the study searches no knob")
+        target = (lambda t: t.values[0]) if len(definition.objectives) > 1 else None
+        return optuna.importance.get_param_importances(study, target=target), None
+    except (RuntimeError, ValueError, ZeroDivisionError) as error:
+        return {}, f"not computable: {error}"
+
+
 @dataclass
 class StudyRunner:
     definition: StudyDefinition
@@ -679,14 +692,9 @@ class StudyRunner:
                 summary["pareto_front"] = [{"trial": t.number, "values": t.values, "params": t.params} for t in best]
                 front = ", ".join(f"trial {t.number}" for t in sorted(best, key=lambda t: t.number))
                 client.set_tag(self.parent_run_id, tracking.TAG_PARETO_FRONT, front)
-            try:
-                if self.definition.design is not None:
-                    raise ValueError("a designed study reports fitted effects instead (see its report)")
-                importances = optuna.importance.get_param_importances(
-                    self.study, target=(lambda t: t.values[0]) if len(self.definition.objectives) > 1 else None
-                )
-            except (RuntimeError, ValueError, ZeroDivisionError) as error:
-                importances, summary["importance_note"] = {}, f"not computable: {error}"
+            importances, note = param_importances(self.definition, self.study)
+            if note:
+                summary["importance_note"] = note
             summary["importances"] = importances
             for knob, value in importances.items():
                 logged.log(f"{tracking.IMPORTANCE_PREFIX}{knob}", value)

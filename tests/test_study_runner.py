@@ -413,3 +413,25 @@ def test_a_trial_takes_shared_and_training_knobs_from_its_params():
     assert config.algorithm.shared.block_size == 4 and config.algorithm.knobs.selector_rank == 8
     assert config.train.learning_rate == 0.01 and config.train.max_steps == definition.steps_per_trial
     assert config.train.warmup_ratio == definition.base.train.warmup_ratio, "the other training knobs are the base's"
+
+
+def test_importances_are_computed_for_a_searched_study_and_a_study_that_searches_nothing_says_so(recwarn):
+    import dataclasses
+
+    import optuna
+
+    from studies.runner import param_importances
+
+    definition = load_study(ROOT / "studies" / "search.yaml")
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(8):  # the objective follows selector_rank alone
+        trial = study.ask()
+        rank = trial.suggest_int("selector_rank", 16, 128, log=True)
+        trial.suggest_int("conv_kernel_size", 1, 3)
+        study.tell(trial, rank / 128)
+    importances, note = param_importances(definition, study)
+    assert note is None and max(importances, key=importances.get) == "selector_rank"
+
+    unsearched = dataclasses.replace(definition, search_space=[])
+    assert param_importances(unsearched, study) == ({}, "not computable: the study searches no knob")
+    assert not [w for w in recwarn if "importance" in str(w.message).lower()]
