@@ -206,8 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=5, help="MT-bench prompts (default: 5)")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request (default: 64)")
     parser.add_argument("--repeats", type=int, default=3, help="verify-batch repeats per prompt (default: 3)")
-    parser.add_argument("--n-max", type=int, nargs="*", default=[1, 2], help="shorter drafts (default: 1 2)")
-    parser.add_argument("--threads", type=int, nargs="*", default=[1], help="thread counts as a lever (default: 1)")
+    parser.add_argument(
+        "--n-max", type=int, nargs="*", default=[1, 2], help="shorter drafts (default: 1 2; the flag alone: none)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="*",
+        default=[1],
+        help="thread counts as a lever (default: 1; the flag alone: none)",
+    )
     parser.add_argument(
         "--draft-types",
         nargs="*",
