@@ -90,6 +90,28 @@ def test_a_speedup_row_pools_prompts_by_category_and_counts_what_the_drafts_gave
     assert values["accepted_length"] == 1.75 and values["by_category"]["math"] == [0.5, 0.5, 0.5]
 
 
+def test_cuts_add_each_shorter_draft_and_each_confidence_cut_and_cut_only_leaves_the_whole_block_out():
+    from pathlib import Path
+
+    from benchmarks.serving.speedup import with_cuts
+    from harness.serving.draft import ServedDraft
+
+    draft = ServedDraft("d", "dflash2", Path("d.gguf"), 3, "draft-dflash")
+    served = [(draft, "run")]
+    names = lambda found: [(d.name, d.block, d.confidence_cut) for d, _ in found]  # noqa: E731
+    assert names(with_cuts(served, [2, 3], [0.8])) == [  # n-max 3 is the whole block: no cut
+        ("d", 3, 0.0),
+        ("d (n-max 2)", 2, 0.0),
+        ("d (p-min 0.8)", 3, 0.8),
+        ("d (n-max 2) (p-min 0.8)", 2, 0.8),
+    ]
+    assert names(with_cuts(served, [2], [0.8], cut_only=True)) == [
+        ("d (n-max 2)", 2, 0.0),
+        ("d (n-max 2) (p-min 0.8)", 2, 0.8),
+    ]
+    assert all(trained == "run" for _, trained in with_cuts(served, [1, 2], [0.5, 0.8]))
+
+
 def test_over_rounds_a_speedup_rows_interval_is_over_the_rounds_and_a_recipe_row_over_seeds():
     """Two rounds of one prompt: speed-ups 0.5 and 0.7 give 0.6 with a t interval on 1 df (12.71 x se 0.1);
     two seeds of one recipe with round means 0.6 and 0.8 give 0.7 over seeds, and a run of another recipe (another

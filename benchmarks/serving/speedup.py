@@ -97,6 +97,26 @@ def drafting_cells(values: dict) -> list[str]:
     return [f"{accepted:.2f}" if accepted is not None else "no drafts", f"{share:.1%}" if share is not None else "-"]
 
 
+def with_cuts(
+    served: list[tuple[ServedDraft, TrainedRun]], n_max: list[int], p_min: list[float], cut_only: bool = False
+) -> list[tuple[ServedDraft, TrainedRun]]:
+    """Each draft, then each again drafting n of its block's tokens for each n below it (llama.cpp's
+    --spec-draft-n-max), then each of those again with each confidence cut (--spec-draft-p-min); `cut_only` leaves
+    the whole-block drafts out."""
+    cut = [
+        (dataclasses.replace(draft, name=f"{draft.name} (n-max {n})", block=n), trained)
+        for draft, trained in served
+        for n in n_max
+        if n < draft.block
+    ]
+    served = cut if cut_only else served + cut
+    return served + [
+        (dataclasses.replace(draft, name=f"{draft.name} (p-min {cut:g})", confidence_cut=cut), trained)
+        for draft, trained in served
+        for cut in p_min
+    ]
+
+
 def recipe_rows(drafts: list[tuple[ServedDraft, TrainedRun]], found: dict[str, dict]) -> list[tuple[list, dict]]:
     """One row per recipe served at two or more training seeds (runs whose configs differ only in the seed, served
     at the same vocabulary): the mean over seeds of each seed's mean over rounds, with a t interval over seeds, so
@@ -193,17 +213,7 @@ def measure(args: argparse.Namespace) -> Record:
             raise SystemExit(f"error: {error}") from None
         if args.reduced_only:  # the whole-vocabulary drafts measured before: their launches are not spent again
             served = [(draft, trained) for draft, trained in served if draft.vocabulary]
-    served += [  # each draft again drafting fewer tokens than its block (--spec-draft-n-max)
-        (dataclasses.replace(draft, name=f"{draft.name} (n-max {n})", block=n), trained)
-        for draft, trained in list(served)
-        for n in args.n_max
-        if n < draft.block
-    ]
-    served += [  # each draft again with llama.cpp's confidence cut (--spec-draft-p-min)
-        (dataclasses.replace(draft, name=f"{draft.name} (p-min {cut:g})", confidence_cut=cut), trained)
-        for draft, trained in list(served)
-        for cut in args.p_min
-    ]
+    served = with_cuts(served, args.n_max, args.p_min, args.cut_only)
     drafts = [draft for draft, _ in served]
     prompts = prompts_by_category(target.tokenizer, args.per_category)
     if args.chat and args.chat_data is None:  # the first run's held-out conversations, up to their first reply
@@ -397,6 +407,11 @@ def main() -> None:
         "(e.g. 1 2)",
     )
     parser.add_argument(
+        "--cut-only",
+        action="store_true",
+        help="with --n-max: serve only the drafts cut to it (with and without each --p-min), not the whole block",
+    )
+    parser.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -415,6 +430,8 @@ def main() -> None:
         raise SystemExit(f"invalid --rounds={args.rounds}: allowed an integer >= 1")
     if args.reduced_only and not args.vocabulary:
         raise SystemExit("invalid --reduced-only without --vocabulary: allowed with --vocabulary N")
+    if args.cut_only and not args.n_max:
+        raise SystemExit("invalid --cut-only without --n-max: allowed with --n-max N")
     for n in args.n_max:
         if n < 1:
             raise SystemExit(f"invalid --n-max={n}: allowed an integer >= 1, below the drafts' block")
