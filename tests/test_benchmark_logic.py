@@ -350,3 +350,47 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
         "The split was measured on AMD EPYC (2 cores; avx2), the served launch on AMD EPYC (2 cores; avx2, "
         "avx512_bf16)" in record.blocks[2]
     )
+
+
+def test_the_mixture_record_ranks_each_dataset_with_seed_noise_and_says_whether_the_runs_still_improved():
+    """Three mixtures, two seeds each, realized 1.40 / 1.50 / 1.70 (+ seed noise): the record ranks ShareGPT+Magpie
+    first, states each other mixture's difference with it, its decontamination count and its late gain; every
+    run's curve still rose over its last third, so the record says the runs were still improving."""
+    import pandas as pd
+    from test_report_render import _run
+
+    from algorithms.metrics import REALIZED_ACCEPTED_LENGTH, se_name
+    from benchmarks.studies.data_mixture import mixture_record
+    from reports.collect import StudyRecord
+
+    levels = {"chitchat": 1.40, "sharegpt": 1.50, "sharegpt:4+magpie:1": 1.70}
+    runs, curves = [], {}
+    for trial, (dataset, level) in enumerate(levels.items()):
+        for seed in (0, 1):
+            row, documents = _run("", seed, level - 0.1, level + 0.01 * seed, level + 0.5, trial=trial)
+            row |= {"dataset": dataset, "max_steps": 600, "wall_s": 120.0 + trial}
+            runs.append((row, documents))
+            curves[row["run_id"]] = pd.DataFrame(
+                {
+                    "step": [200, 400, 600],
+                    REALIZED_ACCEPTED_LENGTH: [level - 0.2, level - 0.1, level],
+                    se_name(REALIZED_ACCEPTED_LENGTH): [0.01] * 3,
+                    "subset_rows": [200] * 3,
+                }
+            )
+    record = StudyRecord(
+        "data-mixture",
+        {"run_id": "parent", "params": {}, "metrics": {}, "tags": {}},
+        pd.DataFrame([row for row, _ in runs]),
+        {row["run_id"]: documents for row, documents in runs},
+        curves,
+    )
+    dropped = {row["run_id"]: "3" if row["dataset"] != "chitchat" else "0" for row, _ in runs}
+    found = mixture_record(record, dropped)
+    table = next(block for block in found.blocks if hasattr(block, "rows"))
+    assert [row[0] for row in table.rows] == ["`sharegpt:4+magpie:1`", "`sharegpt`", "`chitchat`"]
+    assert table.rows[0][5] == "best" and table.rows[0][6] == "3" and table.rows[2][6] == "0"
+    realized = {dataset: found.values[dataset][REALIZED_ACCEPTED_LENGTH][0] for dataset in levels}
+    assert realized["sharegpt"] - realized["chitchat"] == pytest.approx(0.10, abs=0.01)  # the shared difficulty cancels
+    assert table.rows[1][5].startswith("-0.20") and table.rows[2][7] == "+0.100"
+    assert "still improving" in found.blocks[0] and "600-step drafts" in found.blocks[0]
