@@ -458,9 +458,12 @@ def knob_effects(configs: list[Configuration], kinds: dict[str, dict], figure: s
         "Realized accepted length at each level: the mean over the level's trials with its t interval (the spread "
         "between trials carries the other knobs' changes and the training noise), or, for a level with one trial, "
         "that trial's own interval. *Effect* compares the best level with the worst; it is resolved only when both "
-        f"levels hold at least {MIN_TRIALS_PER_LEVEL} trials and its interval excludes 0."
+        f"levels hold at least {MIN_TRIALS_PER_LEVEL} trials and its interval excludes 0, or when the trials differ "
+        "in that knob alone and the two levels' trials ran the same two or more seeds: then the effect is their "
+        "difference paired by document and seed, with the spread over seeds (training noise) inside its interval."
     )
     resolved = []
+    varying = knobs_that_differ(knob_columns(configs), trials)
     for knob in knob_columns(configs):
         levels = knob_levels(trials, knob, kinds.get(knob, {}).get("kind") == "categorical")
         if not levels:
@@ -469,7 +472,15 @@ def knob_effects(configs: list[Configuration], kinds: dict[str, dict], figure: s
         ranked = sorted(estimates, key=lambda e: -e[2].value)
         best, worst = ranked[0], ranked[-1]
         effect = unpaired_difference(best[2], worst[2])
-        if min(len(best[1]), len(worst[1])) < MIN_TRIALS_PER_LEVEL:
+        if like_for_like(varying, knob, best[1], worst[1]):
+            effect = difference(best[1][0], REALIZED_ACCEPTED_LENGTH, worst[1][0])
+            statement = (
+                f"{verdict(effect)} (the trials differ in `{knob}` alone: paired by document and seed, over "
+                f"{len(best[1][0].seeds)} seeds)"
+            )
+            if effect.excludes_zero:
+                resolved.append(knob)
+        elif min(len(best[1]), len(worst[1])) < MIN_TRIALS_PER_LEVEL:
             statement = (
                 f"{effect.text(signed=True)}: not resolved, a level with one trial compares single runs that "
                 "differ in every other knob and in training noise"
@@ -488,6 +499,14 @@ def knob_effects(configs: list[Configuration], kinds: dict[str, dict], figure: s
     if figure:
         parts.append(f"![realized accepted length at each level of each knob]({figure})")
     return "\n\n".join(parts), resolved
+
+
+def like_for_like(varying: list[str], knob: str, best: list[Configuration], worst: list[Configuration]) -> bool:
+    """Whether two levels of `knob` are one trial each that differ from each other in that knob alone, both run at
+    the same two or more seeds: a comparison with training noise inside it, though neither level pools trials."""
+    if varying != [knob] or len(best) != 1 or len(worst) != 1:
+        return False
+    return best[0].seeds == worst[0].seeds and len(best[0].seeds) >= 2
 
 
 def importances(record: StudyRecord, trials: int) -> str:

@@ -154,6 +154,29 @@ def test_importances_need_enough_trials(tmp_path):
     assert (tmp_path / "knob_effects.png").exists()
 
 
+@pytest.mark.parametrize("seeds", [2, 1])
+def test_trials_that_differ_in_one_knob_alone_resolve_its_effect_by_seed_only_with_two_or_more_seeds(tmp_path, seeds):
+    """Three data mixtures, one trial each, alike in every other knob: the effect of `dataset` is the best trial's
+    difference with the worst, paired by document and seed; with one seed it has no training noise in it, so it is
+    left unresolved."""
+    runs = []
+    for trial, (dataset, level) in enumerate({"chitchat": 1.6, "sharegpt": 1.35, "magpie": 1.3}.items()):
+        for seed in range(seeds):
+            row, documents = _run("", seed, level - 0.1, level + 0.01 * seed, level + 0.5, trial=trial)
+            runs.append((row | {"dataset": dataset, "validation_data": "sharegpt:1+chitchat:1"}, documents))
+    markdown = render(_record(runs), tmp_path)
+    effect = next(line for line in markdown.splitlines() if line.startswith("**dataset**"))
+    verdicts = markdown.split("## Verdicts")[1]
+    if seeds == 2:
+        assert "the trials differ in `dataset` alone: paired by document and seed, over 2 seeds" in effect
+        assert effect.startswith("**dataset**: effect chitchat − magpie = +") and NOISE not in effect
+        assert float(effect.split(" = ")[1].split()[0]) == pytest.approx(0.3, abs=0.02)
+        assert "Knobs whose effect is distinguishable from noise: `dataset`" in verdicts
+    else:
+        assert "not resolved, a level with one trial" in effect
+        assert "No knob's effect is distinguishable from noise" in verdicts
+
+
 def test_unfinished_runs_are_listed_as_problems_not_ranked(tmp_path):
     runs = [_run("dflash", 0, 1.3, 1.3, 2.0), _run("dflash2", 0, 1.2, 1.5, 2.0, status="infeasible")]
     markdown = render(_record(runs), tmp_path)
