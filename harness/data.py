@@ -261,6 +261,12 @@ def validation_shares(config: DataConfig) -> list[tuple[str, int]]:
     return [] if config.validation_data is None else weighted_shares(config.validation_data, config.num_validation)
 
 
+def validation_sources(validation_data: str, count: int) -> list[str]:
+    """The source of each of `count` validation conversations drawn from `validation_data`, in the order they (and
+    their documents) come: source by source, as `load_conversations` puts them first."""
+    return [source for source, share in weighted_shares(validation_data, count) for _ in range(share)]
+
+
 def weighted_shares(dataset: str, total: int) -> list[tuple[str, int]]:
     parts = dataset_parts(dataset)
     return list(zip([s for s, _ in parts], shares(total, [w for _, w in parts]), strict=True))

@@ -353,21 +353,29 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
 
 
 def test_the_mixture_record_ranks_each_dataset_with_seed_noise_and_says_whether_the_runs_still_improved():
-    """Three mixtures, two seeds each, realized 1.40 / 1.50 / 1.70 (+ seed noise): the record ranks ShareGPT+Magpie
-    first, states each other mixture's difference with it, its decontamination count and its late gain; every
-    run's curve still rose over its last third, so the record says the runs were still improving."""
+    """Three mixtures, two seeds each, realized 1.40 / 1.50 / 1.70 (+ seed noise), chit-chat 0.8 higher on its own
+    half of the validation documents: the record ranks chit-chat first overall, states each other mixture's
+    difference with it, its decontamination count and its late gain, and on each source alone ranks the mixtures
+    again; every run's curve still rose over its last third, so the record says the runs were still improving."""
     import pandas as pd
+    from test_report_render import DOCUMENTS as DOCUMENTS_OF_A_RUN
     from test_report_render import _run
 
     from algorithms.metrics import REALIZED_ACCEPTED_LENGTH, se_name
     from benchmarks.studies.data_mixture import mixture_record
+    from harness.validation import SUM_SUFFIX, TOTAL_SUFFIX
     from reports.collect import StudyRecord
 
     levels = {"chitchat": 1.40, "sharegpt": 1.50, "sharegpt:4+magpie:1": 1.70}
-    runs, curves = [], {}
+    runs, curves, SOURCES = [], {}, ("sharegpt", "chitchat")
+    half = DOCUMENTS_OF_A_RUN // 2  # the first half of each run's validation documents is ShareGPT's
+    sources = [SOURCES[0]] * half + [SOURCES[1]] * (DOCUMENTS_OF_A_RUN - half)
     for trial, (dataset, level) in enumerate(levels.items()):
         for seed in (0, 1):
             row, documents = _run("", seed, level - 0.1, level + 0.01 * seed, level + 0.5, trial=trial)
+            if dataset == "chitchat":  # 0.8 more accepted per anchor on chit-chat's own documents
+                column = REALIZED_ACCEPTED_LENGTH + SUM_SUFFIX
+                documents.loc[half:, column] += 0.8 * documents.loc[half:, REALIZED_ACCEPTED_LENGTH + TOTAL_SUFFIX]
             row |= {"dataset": dataset, "max_steps": 600, "wall_s": 120.0 + trial}
             runs.append((row, documents))
             curves[row["run_id"]] = pd.DataFrame(
@@ -386,11 +394,23 @@ def test_the_mixture_record_ranks_each_dataset_with_seed_noise_and_says_whether_
         curves,
     )
     dropped = {row["run_id"]: "3" if row["dataset"] != "chitchat" else "0" for row, _ in runs}
-    found = mixture_record(record, dropped)
+    found = mixture_record(record, dropped, {row["run_id"]: sources for row, _ in runs})
     table = next(block for block in found.blocks if hasattr(block, "rows"))
-    assert [row[0] for row in table.rows] == ["`sharegpt:4+magpie:1`", "`sharegpt`", "`chitchat`"]
-    assert table.rows[0][5] == "best" and table.rows[0][6] == "3" and table.rows[2][6] == "0"
+    assert [row[0] for row in table.rows] == ["`chitchat`", "`sharegpt:4+magpie:1`", "`sharegpt`"]
+    assert table.rows[0][5] == "best" and table.rows[0][6] == "0" and table.rows[1][6] == "3"
     realized = {dataset: found.values[dataset][REALIZED_ACCEPTED_LENGTH][0] for dataset in levels}
-    assert realized["sharegpt"] - realized["chitchat"] == pytest.approx(0.10, abs=0.01)  # the shared difficulty cancels
-    assert table.rows[1][5].startswith("-0.20") and table.rows[2][7] == "+0.100"
+    assert realized["sharegpt"] - realized["sharegpt:4+magpie:1"] == pytest.approx(
+        -0.20, abs=0.01
+    )  # difficulty cancels
+    versus_best = float(table.rows[2][5].split()[0])  # against the best overall, chit-chat
+    assert versus_best == pytest.approx(realized["sharegpt"] - realized["chitchat"], abs=1e-3)
+    assert table.rows[2][7] == "+0.100"
     assert "still improving" in found.blocks[0] and "600-step drafts" in found.blocks[0]
+    by_source = {dataset: found.values[dataset]["by_source"] for dataset in levels}
+    on_chitchat = by_source["chitchat"]["chitchat"][0] - by_source["sharegpt:4+magpie:1"]["chitchat"][0]
+    on_sharegpt = by_source["sharegpt:4+magpie:1"]["sharegpt"][0] - by_source["chitchat"]["sharegpt"][0]
+    assert on_chitchat == pytest.approx(0.5, abs=0.02) and on_sharegpt == pytest.approx(0.3, abs=0.02)
+    split = found.blocks[-1]
+    assert split.columns[1:] == [f"{kind} on {source}" for source in SOURCES for kind in ("realized", "− best")]
+    # ranked overall, chit-chat first; ShareGPT+Magpie is the best on ShareGPT's documents, chit-chat on its own
+    assert split.rows[1][2] == "best" and split.rows[0][4] == "best" and split.rows[0][2] != "best"

@@ -2,6 +2,7 @@
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -212,6 +213,19 @@ def test_validation_data_validates_every_mixture_on_the_same_conversations_none_
     assert not [h for h in held_out if h in splits[str(a)][0] + splits[str(a)][1]], "held out of both splits"
     with pytest.raises(ValueError, match=r"invalid knob validation_data='magpie': allowed sources read from a dataset"):
         DataConfig(validation_data="magpie").validate()
+
+
+def test_validation_sources_name_the_source_of_each_validation_conversation_in_the_order_they_are_loaded(tmp_path):
+    from harness.data import validation_sources
+
+    a = _write(tmp_path / "a.jsonl", [{"messages": user_turn(f"a {i}")} for i in range(20)])
+    b = _write(tmp_path / "b.jsonl", [{"messages": user_turn(f"b {i}")} for i in range(20)])
+    mixture = f"{a}:3+{b}:1"
+    config = DataConfig(dataset=str(b), num_conversations=16, num_validation=8, validation_data=mixture)
+    loaded, _ = load_conversations(config, tmp_path)
+    sources = validation_sources(mixture, 8)
+    assert sources == [str(a)] * 6 + [str(b)] * 2
+    assert [Path(source).stem for source in sources] == [c[0]["content"].split()[0] for c in loaded[:8]]
 
 
 @pytest.mark.parametrize("dataset", ["sharegpt:0+chitchat", "sharegpt:x+chitchat", "+chitchat", "sharegpt:-1"])

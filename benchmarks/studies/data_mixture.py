@@ -12,6 +12,7 @@ The record goes into benchmarks/studies/DATA_MIXTURE.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,24 +20,73 @@ from pathlib import Path
 from algorithms.metrics import ORACLE_ACCEPTED_LENGTH, REALIZED_ACCEPTED_LENGTH, UNARY_ACCEPTED_LENGTH
 from benchmarks.common.records import Page, Provenance, Record, Table, machine_kind, page_argument
 from harness import tracking
+from harness.data import validation_sources
 from harness.uncertainty import mean_estimate
+from harness.validation import DOCUMENT_COLUMN
 from reports.analysis import analyse
 from reports.collect import StudyRecord, collect
 from reports.designed import last_part_gain
-from reports.estimates import difference, estimate
+from reports.estimates import Configuration, difference, estimate
 
 GROUP, PAGE, STUDY = "studies", "DATA_MIXTURE", "data-mixture"
-DECONTAMINATED = "decontaminated_conversations"  # the param harness/train.py logs with every run
+# The params harness/train.py logs with every run
+DECONTAMINATED, VALIDATION_DATA, NUM_VALIDATION = (
+    "decontaminated_conversations",
+    "data.validation_data",
+    "data.num_validation",
+)
 
 
 def measure(args: argparse.Namespace) -> Record:
     record, client = collect(args.study, args.workdir), tracking.client(args.workdir)
-    dropped = {run_id: client.get_run(run_id).data.params.get(DECONTAMINATED, "") for run_id in record.runs["run_id"]}
-    return mixture_record(record, dropped, args.note)
+    params = {run_id: client.get_run(run_id).data.params for run_id in record.runs["run_id"]}
+    dropped = {run_id: found.get(DECONTAMINATED, "") for run_id, found in params.items()}
+    sources = {
+        run_id: validation_sources(found[VALIDATION_DATA], int(found[NUM_VALIDATION]))
+        for run_id, found in params.items()
+        if found.get(VALIDATION_DATA, "None") != "None"
+    }
+    return mixture_record(record, dropped, sources, args.note)
 
 
-def mixture_record(record: StudyRecord, dropped: Mapping[str, str], note: str = "") -> Record:
-    """The record of a finished mixture study; `dropped` maps each run id to its decontamination count."""
+def by_source(config: Configuration, sources: Mapping[str, list[str]], source: str) -> Configuration | None:
+    """The configuration's validation documents of one source (None where a run's documents do not line up with
+    its sources, so that which document came from where is not known)."""
+    documents = {}
+    for seed, run_id in zip(config.runs["seed"].astype(str), config.runs["run_id"], strict=True):
+        frame, labels = config.documents.get(seed), sources.get(run_id)
+        if frame is None or labels is None or len(frame) != len(labels):
+            return None
+        documents[seed] = frame[[labels[i] == source for i in frame[DOCUMENT_COLUMN]]]
+    return dataclasses.replace(config, documents=documents)
+
+
+def source_table(trials: list[Configuration], sources: Mapping[str, list[str]]) -> tuple[Table | None, dict]:
+    """Each mixture's realized acceptance on each validation source alone, and its difference with the best mixture
+    on that source (paired by document and seed)."""
+    names = list(dict.fromkeys(label for labels in sources.values() for label in labels))
+    split = {source: [by_source(c, sources, source) for c in trials] for source in names}
+    if not names or any(part is None for parts in split.values() for part in parts):
+        return None, {}
+    columns, values = ["dataset"], {}
+    for source in names:
+        columns += [f"realized on {source}", f"− best on {source}"]
+    cells = {c.key: [f"`{c.first['dataset']}`"] for c in trials}
+    for source, parts in split.items():
+        best = max(parts, key=lambda part: estimate(part, REALIZED_ACCEPTED_LENGTH).value)
+        for config, part in zip(trials, parts, strict=True):
+            found = estimate(part, REALIZED_ACCEPTED_LENGTH)
+            versus = "best" if part is best else difference(part, REALIZED_ACCEPTED_LENGTH, best).text(signed=True)
+            cells[config.key] += [found.text(), versus]
+            values.setdefault(config.first["dataset"], {})[source] = [found.value, found.low, found.high]
+    return Table(columns, list(cells.values())), values
+
+
+def mixture_record(
+    record: StudyRecord, dropped: Mapping[str, str], sources: Mapping[str, list[str]], note: str = ""
+) -> Record:
+    """The record of a finished mixture study; `dropped` maps each run id to its decontamination count, `sources`
+    to the source of each of its validation documents."""
     trials = [c for c in analyse(record).configs if c.first["role"] == tracking.ROLE_TRIAL]
     if len(trials) < 2:
         raise SystemExit(
@@ -94,7 +144,15 @@ def mixture_record(record: StudyRecord, dropped: Mapping[str, str], note: str = 
     )
     columns = ["dataset", "seeds", "unary", "realized", "oracle", "realized − best", "dropped", "last-third gain"]
     table = Table([*columns, "training (min per run)"], rows)
-    return Record(f"`{record.name}` on {machine_kind()}", [about, table], values, Provenance.now())
+    split, per_source = source_table(
+        sorted(trials, key=lambda c: -estimate(c, REALIZED_ACCEPTED_LENGTH).value), sources
+    )
+    for dataset, found in per_source.items():
+        values[dataset]["by_source"] = found
+    blocks = [about, table]
+    if split is not None:
+        blocks += ["The same runs on each validation source alone (its own documents, the same seeds):", split]
+    return Record(f"`{record.name}` on {machine_kind()}", blocks, values, Provenance.now())
 
 
 def main(argv: list[str] | None = None) -> int:
