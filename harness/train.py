@@ -173,7 +173,8 @@ def with_target_defaults(config: RunConfig, target: Target) -> RunConfig:
 
 
 def build_for_target(config: RunConfig, target: Target) -> DFlashDraft:
-    return build_draft(config.algorithm, target.spec, target.embed_weight, target.head_weight, target.layers)
+    layers = target.layers if config.algorithm.shared.draft_init == "target" else None  # read only when copied
+    return build_draft(config.algorithm, target.spec, target.embed_weight, target.head_weight, layers)
 
 
 def checkpoint_config(state: dict) -> RunConfig:
