@@ -28,6 +28,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
 from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
 from harness.data import held_out_conversations, prepare_documents
 from harness.evaluate import chat_prompt_ids, prompt_ids
@@ -269,7 +270,8 @@ def measure(args: argparse.Namespace) -> Record:
             "\n\n".join(line for line, _ in shapes),
         ]
     count = sum(len(g) for g in prompts.values())
-    trained = "; ".join(f"{t.run.name}: {t.config.train.max_steps} steps, seed {t.config.train.seed}" for t in runs)
+    trained = "; ".join(trained_text(t) for t in runs)
+    values["runs"] = {t.run.name: trained_values(t) for t in runs}
     order = "last to first" if args.reverse else "in the order listed"
     about = (
         f"{count} prompts: MT-bench first turns ({args.per_category} per category, the first by question id) and "
@@ -284,6 +286,27 @@ def measure(args: argparse.Namespace) -> Record:
         )
     title = ", ".join(f"`{t.run.name}`" for t in runs)
     return Record(title, [about, *blocks], values, Provenance.now(engine=engine.commit))
+
+
+def trained_values(trained: TrainedRun) -> dict:
+    """What a served run was trained as and how it validated offline: its steps, seed, how its layers started
+    and its final validation's realized accepted length."""
+    history = trained.state.get("history") or [{}]
+    return {
+        "steps": trained.config.train.max_steps,
+        "seed": trained.config.train.seed,
+        "draft_init": trained.config.algorithm.shared.draft_init,
+        "offline_realized": history[-1].get(REALIZED_ACCEPTED_LENGTH),
+    }
+
+
+def trained_text(trained: TrainedRun) -> str:
+    """A served run as the benchmark's text states it."""
+    found = trained_values(trained)
+    init = ", layers from the target (`draft_init: target`)" if found["draft_init"] == "target" else ""
+    offline = found["offline_realized"]
+    realized = f", offline realized {offline:.3f}" if offline is not None else ""
+    return f"{trained.run.name}: {found['steps']} steps, seed {found['seed']}{init}{realized}"
 
 
 def noise_text(rounds: int) -> str:
