@@ -311,6 +311,8 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
     # no synthetic break-even is a cut cycle's own
     label = "**recipe** `a`, `b` (2 seeds x 2 rounds, vocabulary 4096, p-min 0.6)"
     recipes.append(recipe(label, [0.90, 0.85, 0.95], 1.55, 4096, 0.6))
+    # another recipe (other runs) served uncut at the same shape in the same launch: not the best one's own
+    recipes.append(recipe("**recipe** `c`, `d` (2 seeds x 2 rounds, vocabulary 4096)", [0.75, 0.7, 0.8], 1.2, 4096))
     found = shortfall_record([curve, served, older], [Record("Blocks 4", [], cycle)], "test").values
     assert found["best"]["label"].endswith("p-min 0.6)") and found["best"]["accepted_length"] == 1.55
     assert found["uncut"]["label"].endswith("vocabulary 4096)") and found["gap"] == pytest.approx(0.40)

@@ -40,6 +40,11 @@ class RecipeRow:
     shape: tuple[int, int | None, float]  # block, draft vocabulary, confidence cut
     trained_block: int | None  # the block its drafts were trained at (an n-max cut serves fewer); None: not recorded
 
+    @property
+    def runs(self) -> str:
+        """The runs the row pools, as its label names them (`**recipe** `a`, `b``), before the variant."""
+        return self.label.split(" (", 1)[0]
+
 
 @dataclass(frozen=True)
 class BestRecipe:
@@ -65,7 +70,7 @@ def best_recipe(records: list[Record], target: str = TARGET) -> BestRecipe:
             for r in recipes
         ]
         best = max(rows, key=lambda row: row.speedup[0])
-        (uncut,) = [row for row in rows if row.shape == best.shape[:2] + (0.0,)]
+        (uncut,) = [row for row in rows if row.runs == best.runs and row.shape == best.shape[:2] + (0.0,)]
         block, vocabulary, _ = best.shape
         (line,) = [b for b in found["break_even"] if (b["block"], b["vocabulary"]) == (block, vocabulary)]
         break_even = BreakEven(block, vocabulary, *line["accepted_length"], line["cycle_cost"])
