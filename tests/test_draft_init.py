@@ -84,5 +84,11 @@ def test_a_draft_deeper_than_its_target_or_without_its_layers_is_refused_in_one_
     )
     with pytest.raises(ValueError, match="allowed random where the target's layers are not loaded"):
         build_draft(tiny_config("dflash", draft_init="target"), tiny_target(), embed, head)
+    layers = tiny_target_layers()
+    no_mlp = TargetLayers(
+        [{k: v for k, v in layer.items() if not k.startswith("mlp.")} for layer in layers.layers], layers.final_norm
+    )
+    with pytest.raises(ValueError, match=r"allowed random for a target whose layers lack \['mlp.gate_proj.weight'"):
+        built("dflash", no_mlp)
     with pytest.raises(ValueError, match=r"draft_init='verifier': allowed one of \['random', 'target'\]"):
         tiny_config("dflash", draft_init="verifier").validate()
