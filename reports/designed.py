@@ -4,6 +4,7 @@ learning curves, rendered from the study's analysis (reports/analysis.py), which
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pandas as pd
 
@@ -226,25 +227,46 @@ def last_part_gain(curve: pd.DataFrame, metric: str = REALIZED_ACCEPTED_LENGTH) 
     return unpaired_difference(curve_estimate(at.loc[last], metric), curve_estimate(at.loc[start], metric)), start, last
 
 
+@dataclass(frozen=True)
+class LateGains:
+    """Each run's gain over the last third of its training on the validation subset (`last_part_gain`), by run id
+    in the record's order, and their mean over runs, which carries training noise."""
+
+    runs: dict[str, tuple[Estimate, int, int]]  # run id -> (gain, its first step, its last step)
+    mean: Estimate
+
+    @property
+    def improving(self) -> bool:
+        """Whether the runs were still improving: the mean gain's interval lies above 0."""
+        return not math.isnan(self.mean.low) and self.mean.low > 0
+
+    @property
+    def budget(self) -> str:
+        """The last steps of the runs, as a verdict names its budget: `600` or `60, 240`."""
+        return ", ".join(map(str, sorted({last for _, _, last in self.runs.values()})))
+
+
+def late_gains(record: StudyRecord) -> LateGains | None:
+    """Every run's late gain where it recorded a learning curve; None where none did."""
+    runs = {}
+    for run_id in record.runs.get("run_id", []):  # a study with no run yet has no columns
+        curve = record.curves.get(run_id)
+        found = last_part_gain(curve) if curve is not None else None
+        if found is not None:
+            runs[run_id] = found
+    return LateGains(runs, mean_estimate([gain.value for gain, _, _ in runs.values()])) if runs else None
+
+
 def curves_section(record: StudyRecord, figure: str | None) -> tuple[str, str]:
     """Learning curves and each run's late gain; returns the section and the suffix every verdict carries."""
     parts = ["## Learning curves"]
-    rows, gains, steps = [], [], set()
-    for _, run in record.runs.iterrows():
-        curve = record.curves.get(run["run_id"])
-        found = last_part_gain(curve) if curve is not None else None
-        if found is None:
-            continue
-        gain, start, last = found
-        gains.append(gain.value)
-        steps.add(last)
-        rows.append([run["run_name"], f"{start} → {last}", gain.text(signed=True)])
-    if not rows:
+    late = late_gains(record)
+    if late is None:
         parts.append("No run recorded a learning curve (curve/* metrics).")
         return "\n\n".join(parts), ""
-    budget = ", ".join(map(str, sorted(steps)))
-    mean = mean_estimate(gains)
-    improving = not math.isnan(mean.low) and mean.low > 0
+    names = dict(zip(record.runs["run_id"], record.runs["run_name"], strict=True))
+    rows = [[names[run], f"{start} → {last}", gain.text(signed=True)] for run, (gain, start, last) in late.runs.items()]
+    budget = late.budget
     parts.append(
         "Realized accepted length on the fixed subset of validation anchors at every validation (the solid "
         "lines); the final value on every anchor, which the tables above use, is the separate marker at the last "
@@ -254,18 +276,18 @@ def curves_section(record: StudyRecord, figure: str | None) -> tuple[str, str]:
     if figure:
         parts.append(f"![learning curves]({figure})")
     parts.append(
-        f"**Mean gain over the last third, over {len(gains)} runs:** {mean.text(signed=True)}. "
+        f"**Mean gain over the last third, over {len(late.runs)} runs:** {late.mean.text(signed=True)}. "
         + (
             f"The runs were still improving at {budget} steps: every verdict in this report is a statement "
             f"about drafts trained {budget} steps, not about converged ones."
-            if improving
+            if late.improving
             else f"No improvement over the last third is resolved at {budget} steps. That is not convergence: "
             "under a learning rate that decays to zero the last third trains at under a third of its peak, so a flat "
             "last third is what the schedule produces whether or not a longer budget would help."
         )
     )
     parts.append(plain_table(["run", "steps", "gain [95% interval]"], rows))
-    suffix = f", at {budget} steps, still improving" if improving else f", at {budget} steps"
+    suffix = f", at {budget} steps, still improving" if late.improving else f", at {budget} steps"
     return "\n\n".join(parts), suffix
 
 

@@ -21,11 +21,10 @@ from algorithms.metrics import ORACLE_ACCEPTED_LENGTH, REALIZED_ACCEPTED_LENGTH,
 from benchmarks.common.records import Page, Provenance, Record, Table, machine_kind, page_argument
 from harness import tracking
 from harness.data import validation_sources
-from harness.uncertainty import mean_estimate
 from harness.validation import DOCUMENT_COLUMN
 from reports.analysis import analyse
 from reports.collect import StudyRecord, collect
-from reports.designed import last_part_gain
+from reports.designed import late_gains
 from reports.estimates import Configuration, difference, estimate
 
 GROUP, PAGE, STUDY = "studies", "DATA_MIXTURE", "data-mixture"
@@ -92,13 +91,12 @@ def mixture_record(
         raise SystemExit(
             f"error: invalid --study={record.name!r}: {len(trials)} finished trial(s); allowed two or more"
         )
-    best = max(trials, key=lambda c: estimate(c, REALIZED_ACCEPTED_LENGTH).value)
-    rows, values, gains = [], {}, []
-    for config in sorted(trials, key=lambda c: -estimate(c, REALIZED_ACCEPTED_LENGTH).value):
+    ranked = sorted(trials, key=lambda c: -estimate(c, REALIZED_ACCEPTED_LENGTH).value)
+    best, gains = ranked[0], late_gains(record)
+    rows, values = [], {}
+    for config in ranked:
         runs = config.runs
-        late = [last_part_gain(record.curves[run_id]) for run_id in runs["run_id"] if run_id in record.curves]
-        late = [found[0].value for found in late if found is not None]
-        gains += late
+        late = [gains.runs[run_id][0].value for run_id in runs["run_id"] if gains and run_id in gains.runs]
         versus = "best" if config is best else difference(config, REALIZED_ACCEPTED_LENGTH, best).text(signed=True)
         counts = sorted({dropped.get(run_id, "") for run_id in runs["run_id"]})
         found = {
@@ -123,13 +121,11 @@ def mixture_record(
             "training_min": minutes,
         }
     steps = int(best.first["max_steps"])
-    mean_gain = mean_estimate(gains) if len(gains) > 1 else None
-    improving = mean_gain is not None and mean_gain.low > 0
     budget = (
         f"At {steps} steps per run the runs were **still improving** (mean gain over the last third "
-        f"{mean_gain.text(signed=True)} over {len(gains)} runs): the ranking is about {steps}-step drafts, not "
-        "converged ones."
-        if improving
+        f"{gains.mean.text(signed=True)} over {len(gains.runs)} runs): the ranking is about {steps}-step drafts, "
+        "not converged ones."
+        if gains and gains.improving
         else f"No gain over the last third is resolved at {steps} steps (a decaying learning rate flattens it either "
         f"way), so this is a ranking of {steps}-step drafts, not a statement about converged ones."
     )
@@ -144,9 +140,7 @@ def mixture_record(
     )
     columns = ["dataset", "seeds", "unary", "realized", "oracle", "realized − best", "dropped", "last-third gain"]
     table = Table([*columns, "training (min per run)"], rows)
-    split, per_source = source_table(
-        sorted(trials, key=lambda c: -estimate(c, REALIZED_ACCEPTED_LENGTH).value), sources
-    )
+    split, per_source = source_table(ranked, sources)
     for dataset, found in per_source.items():
         values[dataset]["by_source"] = found
     blocks = [about, table]
