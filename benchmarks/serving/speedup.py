@@ -112,9 +112,9 @@ def with_cuts(
     ]
     served = cut if cut_only else served + cut
     return served + [
-        (dataclasses.replace(draft, name=f"{draft.name} (p-min {cut:g})", confidence_cut=cut), trained)
+        (dataclasses.replace(draft, name=f"{draft.name} (p-min {p:g})", confidence_cut=p), trained)
         for draft, trained in served
-        for cut in p_min
+        for p in p_min
     ]
 
 
@@ -270,8 +270,8 @@ def measure(args: argparse.Namespace) -> Record:
             "\n\n".join(line for line, _ in shapes),
         ]
     count = sum(len(g) for g in prompts.values())
-    trained = "; ".join(trained_text(t) for t in runs)
     values["runs"] = {t.run.name: trained_values(t) for t in runs}
+    trained = "; ".join(trained_text(name, found) for name, found in values["runs"].items())
     order = "last to first" if args.reverse else "in the order listed"
     about = (
         f"{count} prompts: MT-bench first turns ({args.per_category} per category, the first by question id) and "
@@ -300,13 +300,12 @@ def trained_values(trained: TrainedRun) -> dict:
     }
 
 
-def trained_text(trained: TrainedRun) -> str:
-    """A served run as the benchmark's text states it."""
-    found = trained_values(trained)
+def trained_text(name: str, found: dict) -> str:
+    """A served run, by its name and `trained_values`, as the benchmark's text states it."""
     init = ", layers from the target (`draft_init: target`)" if found["draft_init"] == "target" else ""
     offline = found["offline_realized"]
     realized = f", offline realized {offline:.3f}" if offline is not None else ""
-    return f"{trained.run.name}: {found['steps']} steps, seed {found['seed']}{init}{realized}"
+    return f"{name}: {found['steps']} steps, seed {found['seed']}{init}{realized}"
 
 
 def noise_text(rounds: int) -> str:
