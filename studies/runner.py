@@ -265,12 +265,12 @@ def baseline_run_name(study: str, baseline: str, seed: int, longer_steps: int | 
 
 def param_importances(definition: StudyDefinition, study: optuna.Study) -> tuple[dict[str, float], str | None]:
     """Optuna's importance of each searched knob for the (first) objective, or none and why not."""
+    if definition.design is not None:
+        return {}, "not computable: a designed study reports fitted effects instead (see its report)"
+    if not definition.search_space:  # asked anyway, Optuna warns that there are too few trials
+        return {}, "not computable: the study searches no knob"
+    target = (lambda t: t.values[0]) if len(definition.objectives) > 1 else None
     try:
-        if definition.design is not None:
-            raise ValueError("a designed study reports fitted effects instead (see its report)")
-        if not definition.search_space:  # asked anyway, Optuna warns that there are too few trials
-            raise ValueError("the study searches no knob")
-        target = (lambda t: t.values[0]) if len(definition.objectives) > 1 else None
         return optuna.importance.get_param_importances(study, target=target), None
     except (RuntimeError, ValueError, ZeroDivisionError) as error:
         return {}, f"not computable: {error}"
