@@ -462,9 +462,9 @@ def knob_effects(configs: list[Configuration], kinds: dict[str, dict], figure: s
         "in that knob alone and the two levels' trials ran the same two or more seeds: then the effect is their "
         "difference paired by document and seed, with the spread over seeds (training noise) inside its interval."
     )
-    resolved = []
-    varying = knobs_that_differ(knob_columns(configs), trials)
-    for knob in knob_columns(configs):
+    resolved, columns = [], knob_columns(configs)
+    varying = knobs_that_differ(columns, trials)
+    for knob in columns:
         levels = knob_levels(trials, knob, kinds.get(knob, {}).get("kind") == "categorical")
         if not levels:
             continue
