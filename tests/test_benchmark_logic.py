@@ -96,7 +96,7 @@ def test_cuts_add_each_shorter_draft_and_each_confidence_cut_and_cut_only_leaves
     from benchmarks.serving.speedup import with_cuts
     from harness.serving.draft import ServedDraft
 
-    draft = ServedDraft("d", "dflash2", Path("d.gguf"), 3, "draft-dflash")
+    draft = ServedDraft("d", "dflash2", Path("d.gguf"), 3, "draft-dflash", 1)
     served = [(draft, "run")]
     names = lambda found: [(d.name, d.block, d.confidence_cut) for d, _ in found]  # noqa: E731
     assert names(with_cuts(served, [2, 3], [0.8])) == [  # n-max 3 is the whole block: no cut
@@ -138,7 +138,7 @@ def test_over_rounds_a_speedup_rows_interval_is_over_the_rounds_and_a_recipe_row
         "lr": dataclasses.replace(base, train=dataclasses.replace(base.train, learning_rate=0.1)),
     }
     served = [
-        (ServedDraft(name, "dflash2", Path(f"{name}.gguf"), 3, "draft-dflash"), Trained(name, config))
+        (ServedDraft(name, "dflash2", Path(f"{name}.gguf"), 3, "draft-dflash", 1), Trained(name, config))
         for name, config in configs.items()
     ]
     found = {
@@ -240,8 +240,10 @@ def test_a_served_drafts_log_is_named_by_its_run_and_variants_without_spaces():
     from benchmarks.serving.speedup import log_name
     from harness.serving.draft import ServedDraft
 
-    full = ServedDraft("run-a", "dflash2", Path("work/runs/run-a/served/draft-f32.gguf"), 3, "draft-dflash")
-    reduced = ServedDraft("run-a (vocabulary 4096)", "dflash2", full.gguf.with_name("x.gguf"), 3, "draft-dflash", 4096)
+    full = ServedDraft("run-a", "dflash2", Path("work/runs/run-a/served/draft-f32.gguf"), 3, "draft-dflash", 1)
+    reduced = ServedDraft(
+        "run-a (vocabulary 4096)", "dflash2", full.gguf.with_name("x.gguf"), 3, "draft-dflash", 1, 4096
+    )
     assert log_name(full) == "draft-run-a" and log_name(reduced) == "draft-run-a-vocabulary4096"
     cut = dataclasses.replace(reduced, name="run-a (vocabulary 4096) (n-max 2) (p-min 0.5)", confidence_cut=0.5)
     assert log_name(cut) == "draft-run-a-vocabulary4096-nmax2-pmin0.5"
@@ -340,6 +342,31 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
     split = shortfall_record([curve, served], [Record("Blocks 4", [], cut)], "test").values["split"]
     assert split == pytest.approx({"plain_ms": 20.0, "verify": 1.1, "draft_side": 0.4, "cycle": 1.5})
     assert not any("The split was measured on" in str(block) for block in record.blocks)  # one (unknown) machine
+    # a launch that served two depths of one block has a break-even per depth: the best row reads its own depth's
+    deep = {"layers": 6, "trained_block": 4}
+    recipes.append(
+        recipe(
+            "**recipe** `e`, `f` (2 seeds x 2 rounds, vocabulary 4096, n-max 2)", [0.96, 0.9, 1.0], 1.7, 4096, block=3
+        )
+        | deep
+    )
+    recipes.append(
+        recipe(
+            "**recipe** `e`, `f` (2 seeds x 2 rounds, vocabulary 4096, n-max 2, p-min 0.6)",
+            [0.99, 0.95, 1.03],
+            1.9,
+            4096,
+            0.6,
+            block=3,
+        )
+        | deep
+    )
+    break_evens.append(
+        {"block": 3, "layers": 6, "vocabulary": 4096, "accepted_length": [1.95, 1.9, 2.0], "cycle_cost": 1.8}
+    )
+    found = shortfall_record([curve, served], [Record("Blocks 4", [], cut)], "test").values
+    assert found["best"]["label"].startswith("**recipe** `e`") and found["uncut"]["accepted_length"] == 1.7
+    assert found["break_even"] == [1.95, 1.9, 2.0] and found["gap"] == pytest.approx(0.25)
     # a split measured on another machine than the served launch is named as such: plain tokens differ by machine
     from benchmarks.common.records import Provenance
 

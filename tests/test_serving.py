@@ -228,7 +228,7 @@ def test_a_drafts_confidence_cut_reaches_the_server_and_is_off_unless_asked():
     from harness.serving.server import Session
 
     session = Session(Engine(root=Path("llama.cpp")), Path("records"), Path("logs"))
-    draft = ServedDraft("run", "dflash2", Path("d.gguf"), 3, "draft-dflash")
+    draft = ServedDraft("run", "dflash2", Path("d.gguf"), 3, "draft-dflash", 1)
     for served, expected in ((draft, "0"), (dataclasses.replace(draft, confidence_cut=0.35), "0.35")):
         command = session.server(Path("t.gguf"), "s", served).command()
         assert command[command.index("--spec-draft-p-min") + 1] == expected
@@ -545,7 +545,7 @@ def test_the_break_even_of_a_stand_in_engine_with_a_known_cycle_cost_is_that_cos
 
     prompts = [[1] * n for n in (3, 4, 5, 6, 7, 8)]
     session = Session(engine, tmp_path / "servers", tmp_path)
-    draft = ServedDraft("d", "dflash2", tmp_path / "d.gguf", 7, "draft-dflash")
+    draft = ServedDraft("d", "dflash2", tmp_path / "d.gguf", 7, "draft-dflash", 1)
     found = measure(session, tmp_path / "t.gguf", draft, prompts, 8, lengths=(1, 3, 5, 8))
     assert [p.accepted_length for p in found.points] == [1, 3, 5, 8]
     assert [p.speedup.value for p in found.points] == pytest.approx([1 / 3.5, 3 / 3.5, 5 / 3.5, 8 / 3.5])
@@ -690,7 +690,7 @@ def test_each_request_is_timed_alone_before_and_after_the_draft_and_the_speed_up
 
     sets = {"chat": [[1], [1, 2], [1, 2, 3]]}
     session = Session(None, tmp_path / "servers", tmp_path)
-    draft = ServedDraft("run", "dflash", tmp_path / "d.gguf", 3, "dflash")
+    draft = ServedDraft("run", "dflash", tmp_path / "d.gguf", 3, "dflash", 1)
     with mock.patch.object(servers, "LlamaServer", Scripted):
         config = SimpleNamespace(max_new_tokens=8, seed=0, ngram_peers=True)
         with_draft, peers, alone = served.serve_prompts(session, tmp_path / "t.gguf", draft, sets, [0.0], config)

@@ -39,6 +39,7 @@ class RecipeRow:
     accepted_length: float
     shape: tuple[int, int | None, float]  # block, draft vocabulary, confidence cut
     trained_block: int | None  # the block its drafts were trained at (an n-max cut serves fewer); None: not recorded
+    layers: int | None  # its drafts' decoder layers; None: not recorded (then its break-even's are not either)
 
     @property
     def runs(self) -> str:
@@ -66,13 +67,24 @@ def best_recipe(records: list[Record], target: str = TARGET) -> BestRecipe:
         if not recipes:  # none, or written before speedup.py recorded each row's shape
             continue
         rows = [
-            RecipeRow(r["label"], tuple(r[SPEEDUP]), r["accepted_length"], recipe_shape(r), r.get("trained_block"))
+            RecipeRow(
+                r["label"],
+                tuple(r[SPEEDUP]),
+                r["accepted_length"],
+                recipe_shape(r),
+                r.get("trained_block"),
+                r.get("layers"),
+            )
             for r in recipes
         ]
         best = max(rows, key=lambda row: row.speedup[0])
         (uncut,) = [row for row in rows if row.runs == best.runs and row.shape == best.shape[:2] + (0.0,)]
         block, vocabulary, _ = best.shape
-        (line,) = [b for b in found["break_even"] if (b["block"], b["vocabulary"]) == (block, vocabulary)]
+        (line,) = [
+            b
+            for b in found["break_even"]
+            if (b["block"], b.get("layers"), b["vocabulary"]) == (block, best.layers, vocabulary)
+        ]
         break_even = BreakEven(block, vocabulary, *line["accepted_length"], line["cycle_cost"])
         return BestRecipe(best, uncut, break_even, record.title, record.machine)
     raise SystemExit(f"no record of benchmarks/{GROUP}/{PAGE}.md has labelled recipe rows on the {target} target")

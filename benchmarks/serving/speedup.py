@@ -145,6 +145,7 @@ def recipe_rows(drafts: list[tuple[ServedDraft, TrainedRun]], found: dict[str, d
             "label": name,
             "block": shown.block + 1,
             "trained_block": members[0][1].config.algorithm.shared.block_size,  # before an n-max cut
+            "layers": shown.layers,
             "vocabulary": shown.vocabulary,
             "confidence_cut": shown.confidence_cut,
             served_names.SPEEDUP: [pooled.value, pooled.low, pooled.high],
@@ -335,11 +336,12 @@ def break_evens(session: Session, model: Path, drafts: list[ServedDraft], prompt
         found = break_even.measure(session, model, draft, flat, args.tokens, lengths)
         head = f", drafting over {draft.vocabulary} tokens" if draft.vocabulary else ""
         line = (
-            f"Break-even of a block-{draft.block + 1} draft (`{draft.spec_type}`{head}) on this target: accepted "
-            f"length {found.text()} (cycle cost {found.cycle_cost:.2f} plain tokens)."
+            f"Break-even of a block-{draft.block + 1}, {draft.layers}-layer draft (`{draft.spec_type}`{head}) on this "
+            f"target: accepted length {found.text()} (cycle cost {found.cycle_cost:.2f} plain tokens)."
         )
         shape = {
             "block": draft.block + 1,
+            "layers": draft.layers,
             "vocabulary": draft.vocabulary,
             "accepted_length": [found.length, found.low, found.high],
             "cycle_cost": found.cycle_cost,

@@ -155,7 +155,7 @@ def measure(args: argparse.Namespace) -> tuple[str, list[Point]]:
                 f32_target, "speedup-curve", curved.served
             ) as server:
                 served.append(complete_all(server, prompts, args.tokens, ignore_eos))
-            shape = curved.served.shape, curved.trained.config.algorithm.shared.num_draft_layers
+            shape = curved.served.shape
             if shape not in shapes:
                 flat = [p for group in mtbench.values() for p in group][: args.break_even_prompts]
                 lengths = break_even.synthetic_lengths(curved.served.block, 5)
@@ -167,7 +167,7 @@ def measure(args: argparse.Namespace) -> tuple[str, list[Point]]:
     points = []
     for curved, completions in zip(runs, served, strict=True):
         point = point_of(curved, completions, {**{c: alone[c] for c in mtbench}, CHAT: alone[curved.data_key]})
-        point.break_even = shapes[curved.served.shape, curved.trained.config.algorithm.shared.num_draft_layers]
+        point.break_even = shapes[curved.served.shape]
         points.append(point)
         print(f"{point.run}: accepted {point.accepted:.2f}, speed-up {point.speedup.text()}", flush=True)
     minutes = (time.monotonic() - started) / 60

@@ -279,7 +279,7 @@ def compare_requests(
     """Per request at T = 0: the harness's decoder against the served cycles, and the served tokens against the
     engine alone and the harness's greedy reference."""
     stop = {target.tokenizer.eos_token_id}
-    block, _ = served_shape(draft)
+    block = served_shape(draft)[0]
     references = target_greedy(target.model, target.tokenizer, prompts, tokens, stop)
     records = []
     for index, prompt in enumerate(tqdm(prompts, desc=f"decode {name} in the harness", unit="request")):

@@ -29,6 +29,7 @@ class ServedDraft:
     gguf: Path
     block: int  # drafted tokens per cycle: the block less its first slot when that holds the verified token
     spec_type: str
+    layers: int  # the draft's decoder layers: a deeper draft's cycle costs more
     vocabulary: int | None = None  # drafts over this many tokens only (a d2t map); None: the whole vocabulary
     # llama.cpp's --spec-draft-p-min: a cycle's draft ends at its first token less confident than this, and a
     # cycle left with none decodes one plain token (0: every cycle drafts the whole block)
@@ -36,20 +37,21 @@ class ServedDraft:
 
     @property
     def label(self) -> str:
-        return f"`{self.name}` ({self.algorithm}, block {self.block + 1})"
+        return f"`{self.name}` ({self.algorithm}, block {self.block + 1}, {self.layers} layer{'s' * (self.layers > 1)})"
 
     @property
-    def shape(self) -> tuple[int, str, int | None]:
-        """What the break-even depends on: synthetic acceptance times the shape (and the head's size), not the
-        weights."""
-        return self.block, self.spec_type, self.vocabulary
+    def shape(self) -> tuple[int, str, int, int | None]:
+        """What the break-even depends on: synthetic acceptance times the shape (its depth and the head's size),
+        not the weights."""
+        return self.block, self.spec_type, self.layers, self.vocabulary
 
 
 def served_draft(engine: Engine, run: Run, draft: DFlashDraft, target: Target) -> ServedDraft:
     """The run's draft, checked and converted (once per run checkpoint)."""
     check_servable(draft)
-    block, spec_type = served_shape(draft)
-    return ServedDraft(run.name, draft.algorithm.entry.name, draft_gguf(engine, run, draft, target), block, spec_type)
+    return ServedDraft(
+        run.name, draft.algorithm.entry.name, draft_gguf(engine, run, draft, target), *served_shape(draft)
+    )
 
 
 def check_served_format(entry: Algorithm) -> None:
@@ -73,9 +75,14 @@ def check_servable(draft: DFlashDraft) -> None:
         )
 
 
-def served_shape(draft: DFlashDraft) -> tuple[int, str]:
-    """What llama.cpp serves the draft as: tokens drafted per cycle, and its speculative type."""
-    return draft.block_size - draft.shared.first_draft_slot, draft.algorithm.entry.export_format.serve_as
+def served_shape(draft: DFlashDraft) -> tuple[int, str, int]:
+    """What llama.cpp serves the draft as: tokens drafted per cycle, its speculative type and its layers."""
+    shared = draft.shared
+    return (
+        draft.block_size - shared.first_draft_slot,
+        draft.algorithm.entry.export_format.serve_as,
+        shared.num_draft_layers,
+    )
 
 
 def draft_gguf(engine: Engine, run: Run, draft: DFlashDraft, target: Target) -> Path:
