@@ -172,6 +172,28 @@ def test_over_rounds_a_speedup_rows_interval_is_over_the_rounds_and_a_recipe_row
     assert {v["trained_block"] for _, v in rows} == {8}  # the runs' config (the preset's block), not the served 3
 
 
+def test_a_launch_serves_runs_of_one_data_up_to_its_size_past_the_largest_share(capsys):
+    """Runs trained on 1,000 and 4,000 conversations of one dataset share a launch: the 4,000-run's config is the
+    one whose held-out prompts are served (past every run's share); other data, or mixed sizes with the runs' own
+    validation conversations as chat prompts, end in one line naming the run or the flag."""
+    import dataclasses
+
+    from benchmarks.serving.speedup import launch_config
+    from harness.presets import preset_run
+
+    small = preset_run("small", "dflash2", "smollm2-135m")
+    small = dataclasses.replace(small, data=dataclasses.replace(small.data, num_conversations=1000))
+    large = dataclasses.replace(small, data=dataclasses.replace(small.data, num_conversations=4000))
+    seed1 = dataclasses.replace(small, train=dataclasses.replace(small.train, seed=1))
+    assert launch_config([("a", small), ("b", large), ("c", seed1)], "sharegpt") is large
+    assert launch_config([("a", small), ("c", seed1)], None) is small
+    with pytest.raises(SystemExit, match=r"invalid --chat-data=None for runs trained on 1000, 4000 conversations"):
+        launch_config([("a", small), ("b", large)], None)
+    other = dataclasses.replace(small, data=dataclasses.replace(small.data, dataset="chitchat", seed=3))
+    with pytest.raises(SystemExit, match=r"invalid --run='d': trained on other data or another target than 'a'"):
+        launch_config([("a", small), ("d", other)], "sharegpt")
+
+
 def test_the_target_alone_is_the_mean_of_its_passes_before_and_after_the_drafts():
     """A machine that sped up from 60 to 80 tokens/s during the launch: each prompt's baseline is 70, so a draft
     timed in between is not credited with the drift."""

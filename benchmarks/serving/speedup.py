@@ -30,6 +30,7 @@ from pathlib import Path
 
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
 from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
+from harness.config import RunConfig
 from harness.data import held_out_conversations, prepare_documents
 from harness.evaluate import chat_prompt_ids, prompt_ids
 from harness.mtbench import mtbench_records
@@ -192,22 +193,15 @@ TARGET_FILES = {"f32": "f32", "q4_1": "Q4_1 (shipped)"}
 def measure(args: argparse.Namespace) -> Record:
     engine = find_engine()
     runs = [TrainedRun.load(Run.locate(name, args.workdir)) for name in args.run]
-    first = runs[0].config
-    for trained in runs[1:]:
-        if (trained.config.target, trained.config.data) != (first.target, first.data):
-            raise SystemExit(
-                f"invalid --run={trained.run.name!r}: trained on other data or another target than "
-                f"{runs[0].run.name!r}; allowed runs that share the first run's target and data (its held-out chat "
-                "prompts are served)"
-            )
+    first = launch_config([(t.run.name, t.config) for t in runs], args.chat_data)
     workdir = runs[0].run.workdir
     target = runs[0].load_target()
     served = [(served_draft(engine, trained.run, trained.draft(target), target), trained) for trained in runs]
     if args.vocabulary:  # each draft again over the tokens its training replies use most (FR-Spec)
-        replies = prepare_documents(target, first.data, workdir).train
+        replies = {t.run.name: prepare_documents(target, t.config.data, workdir).train for t in runs}
         try:
             served += [
-                (reduced_draft(engine, trained.run, draft, target, replies, size), trained)
+                (reduced_draft(engine, trained.run, draft, target, replies[trained.run.name], size), trained)
                 for draft, trained in list(served)
                 for size in args.vocabulary
             ]
@@ -220,7 +214,7 @@ def measure(args: argparse.Namespace) -> Record:
     prompts = prompts_by_category(target.tokenizer, args.per_category)
     if args.chat and args.chat_data is None:  # the first run's held-out conversations, up to their first reply
         prompts[CHAT] = chat_prompt_ids(prepare_documents(target, first.data, workdir).validation, args.chat)
-    elif args.chat:  # a source's first user turns that the runs never saw (past their own share of it)
+    elif args.chat:  # a source's first user turns that the runs never saw (past the largest share of it)
         try:
             conversations = held_out_conversations(first.data, args.chat_data, args.chat, workdir)
         except ValueError as error:
@@ -276,9 +270,9 @@ def measure(args: argparse.Namespace) -> Record:
     order = "last to first" if args.reverse else "in the order listed"
     about = (
         f"{count} prompts: MT-bench first turns ({args.per_category} per category, the first by question id) and "
-        f"{args.chat} of {held_out(args)}, {reply_length(args)}, T = 0. Trained on {first.data.num_conversations} "
-        f"conversations ({trained}). Each speed-up is paired by prompt with the target alone, timed before and after "
-        f"every drafter (the mean of the two); drafters served {order}. {noise_text(args.rounds)}"
+        f"{args.chat} of {held_out(args)}, {reply_length(args)}, T = 0. Trained on {trained}. Each speed-up is "
+        "paired by prompt with the target alone, timed before and after every drafter (the mean of the two); "
+        f"drafters served {order}. {noise_text(args.rounds)}"
     )
     if args.p_min:
         about += (
@@ -289,11 +283,34 @@ def measure(args: argparse.Namespace) -> Record:
     return Record(title, [about, *blocks], values, Provenance.now(engine=engine.commit))
 
 
+def launch_config(runs: list[tuple[str, RunConfig]], chat_data: str | None) -> RunConfig:
+    """The config whose held-out chat prompts a launch serves: runs must share the target and the data up to the
+    number of conversations, and the one with the most is taken, so its prompts lie past every run's share. Runs
+    of different sizes need `chat_data`: one run's validation conversations may be in another's training data."""
+    largest, first = max(runs, key=lambda named: named[1].data.num_conversations)
+    for name, config in runs:
+        data = dataclasses.replace(config.data, num_conversations=first.data.num_conversations)
+        if (config.target, data) != (first.target, first.data):
+            raise SystemExit(
+                f"invalid --run={name!r}: trained on other data or another target than {largest!r}; allowed runs "
+                "that share one target and data, up to the number of conversations"
+            )
+    sizes = sorted({config.data.num_conversations for _, config in runs})
+    if len(sizes) > 1 and chat_data is None:
+        raise SystemExit(
+            f"invalid --chat-data=None for runs trained on {', '.join(map(str, sizes))} conversations: one run's "
+            "held-out conversations may be another's training data; allowed a source (e.g. sharegpt), served past "
+            "the largest run's share of it"
+        )
+    return first
+
+
 def trained_values(trained: TrainedRun) -> dict:
     """What a served run was trained as and how it validated offline: its steps, seed, how its layers started
     and its final validation's realized accepted length."""
     history = trained.state.get("history") or [{}]
     return {
+        "conversations": trained.config.data.num_conversations,
         "steps": trained.config.train.max_steps,
         "seed": trained.config.train.seed,
         "draft_init": trained.config.algorithm.shared.draft_init,
@@ -306,7 +323,9 @@ def trained_text(name: str, found: dict) -> str:
     init = ", layers from the target (`draft_init: target`)" if found["draft_init"] == "target" else ""
     offline = found["offline_realized"]
     realized = f", offline realized {offline:.3f}" if offline is not None else ""
-    return f"{name}: {found['steps']} steps, seed {found['seed']}{init}{realized}"
+    return (
+        f"{name}: {found['conversations']} conversations, {found['steps']} steps, seed {found['seed']}{init}{realized}"
+    )
 
 
 def noise_text(rounds: int) -> str:
@@ -367,7 +386,8 @@ def held_out(args: argparse.Namespace) -> str:
     if args.chat_data is None:
         return "the run's held-out chat conversations"
     return (
-        f"first user turns of `{args.chat_data}` in its seeded order, past the runs' own share of it (never trained on)"
+        f"first user turns of `{args.chat_data}` in its seeded order, past the runs' largest share of it (never "
+        "trained on)"
     )
 
 
@@ -383,7 +403,7 @@ def main() -> None:
     serving_arguments(parser)
     parser.add_argument(
         "--chat-data",
-        help="serve first user turns of this source as the chat prompts, past the runs' own share of it (e.g. "
+        help="serve first user turns of this source as the chat prompts, past the runs' largest share of it (e.g. "
         "sharegpt for a ShareGPT-trained run; default: the run's own held-out conversations)",
     )
     parser.add_argument(
@@ -391,7 +411,8 @@ def main() -> None:
         required=True,
         action="append",
         help="a trained run whose draft is served (name or directory); give it again to serve several in one "
-        "launch, each paired with the same alone passes (runs sharing the first one's target and data)",
+        "launch, each paired with the same alone passes (runs sharing one target and data, up to the number of "
+        "conversations)",
     )
     parser.add_argument(
         "--targets",
