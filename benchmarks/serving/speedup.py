@@ -193,7 +193,7 @@ TARGET_FILES = {"f32": "f32", "q4_1": "Q4_1 (shipped)"}
 def measure(args: argparse.Namespace) -> Record:
     engine = find_engine()
     runs = [TrainedRun.load(Run.locate(name, args.workdir)) for name in args.run]
-    first = launch_config([(t.run.name, t.config) for t in runs], args.chat_data)
+    launch = launch_config([(t.run.name, t.config) for t in runs], args.chat_data)
     workdir = runs[0].run.workdir
     target = runs[0].load_target()
     served = [(served_draft(engine, trained.run, trained.draft(target), target), trained) for trained in runs]
@@ -212,16 +212,16 @@ def measure(args: argparse.Namespace) -> Record:
     served = with_cuts(served, args.n_max, args.p_min, args.cut_only)
     drafts = [draft for draft, _ in served]
     prompts = prompts_by_category(target.tokenizer, args.per_category)
-    if args.chat and args.chat_data is None:  # the first run's held-out conversations, up to their first reply
-        prompts[CHAT] = chat_prompt_ids(prepare_documents(target, first.data, workdir).validation, args.chat)
+    if args.chat and args.chat_data is None:  # the runs' held-out conversations, up to their first reply
+        prompts[CHAT] = chat_prompt_ids(prepare_documents(target, launch.data, workdir).validation, args.chat)
     elif args.chat:  # a source's first user turns that the runs never saw (past the largest share of it)
         try:
-            conversations = held_out_conversations(first.data, args.chat_data, args.chat, workdir)
+            conversations = held_out_conversations(launch.data, args.chat_data, args.chat, workdir)
         except ValueError as error:
             raise SystemExit(f"error: {error}") from None
         prompts[f"{args.chat_data} (held out)"] = [prompt_ids(target.tokenizer, c[0]["content"]) for c in conversations]
     session = Session.of(engine, workdir, runs[0].run.path(SERVED_DIR) / "speedup-benchmark")
-    models = {"f32": target_gguf(engine, workdir, target), "q4_1": embedded_gguf_path(first.target)}
+    models = {"f32": target_gguf(engine, workdir, target), "q4_1": embedded_gguf_path(launch.target)}
     blocks, values = [], {}
     for key in args.targets:
         target_name, model = TARGET_FILES[key], models[key]
@@ -287,10 +287,10 @@ def launch_config(runs: list[tuple[str, RunConfig]], chat_data: str | None) -> R
     """The config whose held-out chat prompts a launch serves: runs must share the target and the data up to the
     number of conversations, and the one with the most is taken, so its prompts lie past every run's share. Runs
     of different sizes need `chat_data`: one run's validation conversations may be in another's training data."""
-    largest, first = max(runs, key=lambda named: named[1].data.num_conversations)
+    largest, launch = max(runs, key=lambda named: named[1].data.num_conversations)
     for name, config in runs:
-        data = dataclasses.replace(config.data, num_conversations=first.data.num_conversations)
-        if (config.target, data) != (first.target, first.data):
+        data = dataclasses.replace(config.data, num_conversations=launch.data.num_conversations)
+        if (config.target, data) != (launch.target, launch.data):
             raise SystemExit(
                 f"invalid --run={name!r}: trained on other data or another target than {largest!r}; allowed runs "
                 "that share one target and data, up to the number of conversations"
@@ -302,7 +302,7 @@ def launch_config(runs: list[tuple[str, RunConfig]], chat_data: str | None) -> R
             "held-out conversations may be another's training data; allowed a source (e.g. sharegpt), served past "
             "the largest run's share of it"
         )
-    return first
+    return launch
 
 
 def trained_values(trained: TrainedRun) -> dict:
