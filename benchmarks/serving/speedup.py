@@ -31,7 +31,7 @@ from pathlib import Path
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
 from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
 from harness.config import RunConfig
-from harness.data import held_out_conversations, prepare_documents
+from harness.data import data_identity, held_out_conversations, prepare_documents, stable_hash
 from harness.evaluate import chat_prompt_ids, prompt_ids
 from harness.mtbench import mtbench_records
 from harness.run import SERVED_DIR, Run
@@ -198,7 +198,12 @@ def measure(args: argparse.Namespace) -> Record:
     target = runs[0].load_target()
     served = [(served_draft(engine, trained.run, trained.draft(target), target), trained) for trained in runs]
     if args.vocabulary:  # each draft again over the tokens its training replies use most (FR-Spec)
-        replies = {t.run.name: prepare_documents(target, t.config.data, workdir).train for t in runs}
+        replies, loaded = {}, {}  # runs of one data config (its seeds) load its documents once
+        for trained in runs:
+            identity = stable_hash(data_identity(trained.config.data))
+            if identity not in loaded:
+                loaded[identity] = prepare_documents(target, trained.config.data, workdir).train
+            replies[trained.run.name] = loaded[identity]
         try:
             served += [
                 (reduced_draft(engine, trained.run, draft, target, replies[trained.run.name], size), trained)
