@@ -381,6 +381,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
         "chat_offline_realized_accepted_length",
         "chat_offline_realized_accepted_length_replayed",
         "chat_measured_accepted_length_greedy_pooled",
+        "mtbench_offline_realized_accepted_length",
+        "mtbench_offline_realized_accepted_length_replayed",
+        "mtbench_measured_accepted_length_greedy_pooled",
         "mtbench_lossless_fraction",
         "chat_lossless_fraction",
     ):

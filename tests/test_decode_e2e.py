@@ -111,16 +111,20 @@ def test_evaluate_logs_measured_acceptance_into_the_run(e2e_workspace, e2e_workd
         "chat_offline_realized_accepted_length",
         "chat_offline_realized_accepted_length_replayed",
         "chat_measured_minus_offline",
+        "mtbench_offline_realized_accepted_length",
+        "mtbench_offline_realized_accepted_length_replayed",
+        "mtbench_measured_minus_offline",
     ):
         assert f"eval/{name}" in metrics, name
     assert metrics["eval/mtbench_lossless_fraction"] == 1.0 and metrics["eval/chat_lossless_fraction"] == 1.0
     assert metrics["eval/measured_accepted_length_greedy"] >= 1.0
     # decoding cycles replayed offline on the target's own continuations agree with measured greedy decoding
-    measured, replayed = (
-        metrics["eval/chat_measured_accepted_length_greedy_pooled"],
-        metrics["eval/chat_offline_realized_accepted_length_replayed"],
-    )
-    assert abs(measured - replayed) / replayed <= 0.10
+    for name in ("chat", "mtbench"):
+        measured, replayed = (
+            metrics[f"eval/{name}_measured_accepted_length_greedy_pooled"],
+            metrics[f"eval/{name}_offline_realized_accepted_length_replayed"],
+        )
+        assert abs(measured - replayed) / replayed <= 0.10, name
     records = json.loads((e2e_workdir / "runs" / "learns-dflash2" / "eval_records.json").read_text())
     assert {r["set"] for r in records} == {"mtbench", "chat"} and all(
         r["lossless"] for r in records if r["temperature"] == 0
