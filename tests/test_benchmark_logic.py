@@ -330,6 +330,20 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
     # 160 -> 2560 conversations is two fourfold steps for +0.20: 0.10 per step, so the 0.40 gap is 4 more
     assert found["curve"]["per_fourfold"] == pytest.approx(0.10)
     assert found["curve"]["fourfolds_needed"] == pytest.approx(4)
+    assert "own_break_even" not in found  # the rows hold no seed means: no break-even of their own
+
+    # With each seed's speed-up and accepted length, the drafts' own cycle is accepted / speed-up per seed: 1.35 /
+    # 0.75 = 1.80 and 1.45 / 0.85 = 1.7059, a t interval over the two seeds (12.706 x their standard error)
+    recipes[1] |= {"seed_means": [0.75, 0.85], "seed_accepted": [1.35, 1.45]}
+    found = shortfall_record([curve, served, older], [Record("Blocks 4", [], cycle)], "test").values
+    value, low, high = found["own_break_even"]
+    assert value == pytest.approx((1.80 + 1.45 / 0.85) / 2) and found["own_gap"] == pytest.approx(value - 1.40)
+    assert high - value == pytest.approx(value - low) == pytest.approx(12.706 * abs(1.80 - 1.45 / 0.85) / 2, rel=1e-3)
+    assert found["gap"] == pytest.approx(0.40)  # the synthetic break-even's gap stays beside it
+    # a record without per-seed accepted lengths uses the row's pooled one for each seed
+    del recipes[1]["seed_accepted"]
+    found = shortfall_record([curve, served, older], [Record("Blocks 4", [], cycle)], "test").values
+    assert found["own_break_even"][0] == pytest.approx((1.40 / 0.75 + 1.40 / 0.85) / 2)
 
     # A confidence cut (p-min) that serves faster is the best, but the gap is the uncut drafts' in the same launch:
     # no synthetic break-even is a cut cycle's own

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
 from harness.serving.break_even import interval_text
 from harness.serving.metrics import SPEEDUP  # the key speedup.py records each row's speed-up under
+from harness.uncertainty import Estimate, mean_estimate
 
 GROUP, PAGE, CYCLE_PAGE = "serving", "SPEEDUP", "CYCLE_COST"
 TARGET = "f32"  # the target the issue's verdict is about (the agreement check's)
@@ -40,6 +41,19 @@ class RecipeRow:
     shape: tuple[int, int | None, float]  # block, draft vocabulary, confidence cut
     trained_block: int | None  # the block its drafts were trained at (an n-max cut serves fewer); None: not recorded
     layers: int | None  # its drafts' decoder layers; None: not recorded (then its break-even's are not either)
+    seed_speedups: tuple[float, ...] = ()  # each seed's mean over its rounds; empty: not recorded
+    seed_accepted: tuple[float | None, ...] = ()  # each seed's accepted length; empty: not recorded
+
+    def own_cycle(self) -> tuple[Estimate, bool] | None:
+        """What one cycle of these drafts cost in plain tokens, per seed accepted length / speed-up, with a t
+        interval over seeds (launch noise inside each seed's mean over rounds), and whether each seed's own
+        accepted length was recorded (else the row's pooled one stands in for each). A cycle's cost barely depends
+        on how many of its tokens are accepted, so this is the accepted length at which these drafts break even."""
+        if len(self.seed_speedups) < 2:
+            return None
+        per_seed = len(self.seed_accepted) == len(self.seed_speedups) and None not in self.seed_accepted
+        accepted = self.seed_accepted if per_seed else (self.accepted_length,) * len(self.seed_speedups)
+        return mean_estimate([a / s for a, s in zip(accepted, self.seed_speedups, strict=True)]), per_seed
 
     @property
     def runs(self) -> str:
@@ -74,6 +88,8 @@ def best_recipe(records: list[Record], target: str = TARGET) -> BestRecipe:
                 recipe_shape(r),
                 r.get("trained_block"),
                 r.get("layers"),
+                tuple(r.get("seed_means", ())),
+                tuple(r.get("seed_accepted", ())),
             )
             for r in recipes
         ]
@@ -121,6 +137,26 @@ def cycle_split(records: list[Record], block: int, trained_block: int | None = N
             "machine": record.machine,
         }
     raise SystemExit(f"no record of benchmarks/{GROUP}/{CYCLE_PAGE}.md measures a block-{block} cycle on {target}")
+
+
+def own_text(uncut: RecipeRow) -> str:
+    """The uncut drafts' break-even read from their own served cycles, beside the synthetic one."""
+    own = uncut.own_cycle()
+    if own is None:
+        return ""
+    cycle, per_seed = own
+    accepted = (
+        "each seed's accepted length"
+        if per_seed
+        else "the row's pooled accepted length (the record holds no per-seed one)"
+    )
+    return (
+        f" **Their own break-even**: a cycle of these drafts cost {cycle.text()} plain tokens, {accepted} over its "
+        "speed-up, with a t interval over seeds and each seed's launch noise inside its mean over rounds. A cycle "
+        "costs about the same however many of its tokens are accepted (the block decode and the verify batch keep "
+        f"their size), so that is the accepted length they needed: **{cycle.value - uncut.accepted_length:.2f} more** "
+        "than they reached."
+    )
 
 
 def tokens_text(value: float | None) -> str:
@@ -184,7 +220,7 @@ def shortfall_record(speedup_records: list[Record], cycle_records: list[Record],
         f"{f', {shape.vocabulary}-token draft vocabulary' if shape.vocabulary else ''}): "
         f"{interval_text(shape.value, shape.low, shape.high)}, a cycle costing {shape.cycle_cost:.2f} plain tokens. "
         "The uncut drafts "
-        f"need **{gap:.2f} more accepted tokens per cycle** to break even.",
+        f"need **{gap:.2f} more accepted tokens per cycle** to break even." + own_text(uncut),
         Table(
             [f"part of a block-{shape.block} cycle (`{split['record']}`, accepted length 1)", "plain tokens"],
             [
@@ -213,6 +249,10 @@ def shortfall_record(speedup_records: list[Record], cycle_records: list[Record],
         "gap": gap,
         "split": {k: v for k, v in split.items() if k not in ("record", "machine")},
     }
+    own = uncut.own_cycle()
+    if own is not None:
+        values["own_break_even"] = [own[0].value, own[0].low, own[0].high]
+        values["own_gap"] = own[0].value - uncut.accepted_length
     if curve and curve["per_fourfold"] > 0:
         fourfolds = gap / curve["per_fourfold"]
         conversations = curve["most"] * 4**fourfolds

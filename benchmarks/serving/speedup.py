@@ -151,6 +151,7 @@ def recipe_rows(drafts: list[tuple[ServedDraft, TrainedRun]], found: dict[str, d
             "confidence_cut": shown.confidence_cut,
             served_names.SPEEDUP: [pooled.value, pooled.low, pooled.high],
             "seed_means": seed_means,
+            "seed_accepted": [w["accepted_length"] for w in weights],  # each seed's, over its rounds
             "accepted_length": statistics.fmean(accepted) if accepted else None,
             "tokens_from_drafts": statistics.fmean(shares) if shares else None,
         }
