@@ -234,16 +234,21 @@ class DFlashDraft(DraftBackbone):
         num_slots: int | None = None,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
+        vocabulary: torch.Tensor | None = None,
     ) -> Proposal:
-        """Draft one block [anchor, MASK x (B-1)] and propose its draft slots; shorter near a limit."""
+        """Draft one block [anchor, MASK x (B-1)] and propose its draft slots; shorter near a limit. With
+        `vocabulary` (token ids, at least `candidate_top_k` of them) it proposes only those, as a draft served with a
+        reduced head does."""
         first = self.shared.first_draft_slot
         slots = self.block_size - first if num_slots is None else num_slots
         size = min(self.block_size, slots + first)
         hidden = self.single_block_hidden(features, context_positions, anchor_id, anchor_position, size)
         # Logits for the whole block, then drop slot 0: a full block is also the fast GEMM shape on CPU (MKL).
-        return self.propose_from_hidden(
-            hidden[first:], self.output_logits(hidden)[first:], anchor_id, temperature, generator
-        )
+        logits = self.output_logits(hidden)[first:]
+        if vocabulary is not None:
+            kept = logits.index_select(-1, vocabulary)
+            logits = torch.full_like(logits, float("-inf")).index_copy(-1, vocabulary, kept)
+        return self.propose_from_hidden(hidden[first:], logits, anchor_id, temperature, generator)
 
     def single_block_hidden(
         self, features, context_positions, anchor_id: int, anchor_position: int, size: int

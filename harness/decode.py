@@ -95,15 +95,19 @@ def speculative_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     confidence_threshold: float = 0.0,
+    max_draft: int | None = None,
+    vocabulary: torch.Tensor | None = None,
 ) -> DecodeStats:
     """Generate up to `max_new_tokens` with the draft proposing and the target verifying (the prefix a
-    confidence head schedules, at `confidence_threshold` > 0)."""
+    confidence head schedules, at `confidence_threshold` > 0). `max_draft` drafts fewer tokens than the block and
+    `vocabulary` only those token ids, as llama.cpp's `--spec-draft-n-max` and a reduced draft head do."""
     from transformers import DynamicCache
 
     draft.eval()
     device = next(target_model.parameters()).device
     layer_ids = draft.config.target_layer_ids
     slots = draft.block_size - draft.shared.first_draft_slot
+    slots = slots if max_draft is None else min(slots, max_draft)
     stats = DecodeStats(slot_attempts=[0] * slots, slot_accepts=[0] * slots)
     started = time.perf_counter()
 
@@ -126,7 +130,7 @@ def speculative_generate(
         budget = min(slots, remaining)  # a shorter block near the limit, as Z Lab's loop drafts
         t0 = time.perf_counter()
         proposal = draft.propose(
-            context, torch.arange(start, device=device), anchor, start, budget, temperature, generator
+            context, torch.arange(start, device=device), anchor, start, budget, temperature, generator, vocabulary
         ).scheduled(confidence_threshold)
         t1 = time.perf_counter()
         block = torch.cat([torch.tensor([anchor], device=device), proposal.tokens.to(device)])[None]

@@ -479,3 +479,20 @@ def test_the_mixture_record_ranks_each_dataset_with_seed_noise_and_says_whether_
     assert split.columns[1:] == [f"{kind} on {source}" for source in SOURCES for kind in ("realized", "− best")]
     # ranked overall, chit-chat first; ShareGPT+Magpie is the best on ShareGPT's documents, chit-chat on its own
     assert split.rows[1][2] == "best" and split.rows[0][4] == "best" and split.rows[0][2] != "best"
+
+
+def test_the_acceptance_gap_reads_the_served_window_and_each_slots_conditional_rate():
+    from benchmarks.serving.acceptance_gap import Decoded, position_rates, row_values
+
+    # the prompt's own pass gives token 0; the cycles then start at tokens 1, 4, 5 and 7
+    decoded = Decoded([3, 1, 2, 3])
+    assert decoded.within(None) == [3, 1, 2, 3]
+    assert decoded.within(5) == [3, 1]  # the cycle starting at token 5 is past a 5-token window
+    assert decoded.within(6) == [3, 1, 2]
+    # two drafted slots: slot 1 accepted in the cycles of length 2 and 3 (3 of 4); slot 2 reached by those 3, and
+    # accepted in the two of length 3
+    assert position_rates([3, 1, 2, 3], 2) == pytest.approx([3 / 4, 2 / 3])
+    assert math.isnan(position_rates([1, 1], 2)[1])  # never reached
+    found = row_values([decoded, Decoded([1, 1])], 2, 5)
+    assert found["accepted_length"][0] == pytest.approx((2.0 + 1.0) / 2)  # per prompt, then over prompts
+    assert (found["cycles"], found["prompts"]) == (4, 2)

@@ -158,6 +158,37 @@ def test_decoding_is_lossless_and_offline_replay_repeats_its_cycles_on_a_non_def
         assert replay_disagreements(model, draft, greedy) == []
 
 
+@pytest.mark.parametrize("algorithm", ["dflash", "dflash2"])
+def test_a_shorter_draft_over_a_reduced_vocabulary_decodes_losslessly_and_proposes_only_its_tokens(algorithm):
+    """What llama.cpp serves with `--spec-draft-n-max 1` and a reduced head: one drafted token per cycle, never a
+    token outside the vocabulary, the target's greedy text all the same."""
+    model, draft = agreeable_pair(algorithm)
+    vocab_size = draft.config.target.vocab_size
+    propose, proposed = draft.propose, []
+
+    def recording(*args):
+        proposal = propose(*args)
+        proposed.append(proposal.tokens)
+        return proposal
+
+    draft.propose = recording
+
+    def decoded(vocabulary: torch.Tensor | None) -> torch.Tensor:
+        proposed.clear()
+        for prompt in PROMPTS:
+            run = speculative_generate(model, draft, prompt, BUDGET, set(), max_draft=1, vocabulary=vocabulary)
+            assert run.tokens == _greedy(model, prompt, BUDGET), f"lossless at T = 0 on {prompt}"
+            assert len(run.slot_attempts) == 1 and set(run.verified_tokens) == {2}
+        return torch.cat(proposed)
+
+    with torch.no_grad():
+        dropped = decoded(None).mode().values  # the token the whole-vocabulary draft proposes most
+        assert not (decoded(torch.arange(vocab_size)[torch.arange(vocab_size) != dropped]) == dropped).any()
+        features = torch.randn(6, len(draft.config.target_layer_ids) * draft.config.hidden_size, dtype=torch.float64)
+        whole = propose(features, torch.arange(6), 3, 6, None, 0.0, None, torch.arange(vocab_size)).tokens
+        assert torch.equal(whole, propose(features, torch.arange(6), 3, 6).tokens)
+
+
 @pytest.mark.parametrize("algorithm", ["dflash2", "domino", "dspark"])
 def test_the_replay_check_fails_for_a_member_that_decodes_its_unary_path(algorithm, monkeypatch):
     """The check above can fail: a copy of the member whose decoding skips its own head (drafting DFlash's

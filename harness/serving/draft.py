@@ -106,14 +106,20 @@ def frequent_tokens(documents: Sequence[Document], size: int, always: tuple[int,
     return chosen
 
 
+def reduced_vocabulary(target: Target, documents: Sequence[Document], size: int) -> list[int]:
+    """The token ids a draft reduced to `size` drafts over: its training replies' most frequent, end-of-turn and
+    padding tokens always among them."""
+    special = tuple(t for t in (target.tokenizer.eos_token_id, target.tokenizer.pad_token_id) if t is not None)
+    return frequent_tokens(documents, size, special)
+
+
 def reduced_draft(
     engine: Engine, run: Run, served: ServedDraft, target: Target, documents: Sequence[Document], size: int
 ) -> ServedDraft:
     """The served draft drafting over the `size` tokens its training replies use most (the head's other rows
     dropped, a `d2t` map added), written once per size beside the run's draft GGUF."""
-    special = tuple(t for t in (target.tokenizer.eos_token_id, target.tokenizer.pad_token_id) if t is not None)
     out = served.gguf.with_name(f"{served.gguf.stem}-vocab{size}.gguf")
     if not out.is_file() or gguf_problem(out) is not None:
-        ids = frequent_tokens(documents, size, special)
+        ids = reduced_vocabulary(target, documents, size)
         with_reduced_vocabulary(served.gguf, target_gguf(engine, run.workdir, target), ids, out)
     return dataclasses.replace(served, name=f"{served.name} (vocabulary {size})", gguf=out, vocabulary=size)
