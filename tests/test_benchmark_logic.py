@@ -415,6 +415,25 @@ def test_the_shortfall_reads_the_best_recipe_its_break_even_the_cycle_split_and_
         "The split was measured on AMD EPYC (2 cores; avx2), the served launch on AMD EPYC (2 cores; avx2, "
         "avx512_bf16)" in record.blocks[2]
     )
+    # the launch also served the recipe at a quarter of the data (same shape, runs `g`, `h`): the curve is the
+    # recipe's own, 1.45 -> 1.70 over one fourfold step, so the synthetic gap of 0.25 takes 1.0 more
+    recipes.append(
+        recipe(
+            "**recipe** `g`, `h` (2 seeds x 2 rounds, vocabulary 4096, n-max 2)", [0.9, 0.8, 1.0], 1.45, 4096, block=3
+        )
+        | deep
+    )
+    served.values["runs"] = {
+        name: {"conversations": count, "steps": steps}
+        for names, count, steps in (("ef", 4000, 5000), ("gh", 1000, 3000))
+        for name in names
+    }
+    record = shortfall_record([curve, served], [Record("Blocks 4", [], cut)], "test")
+    assert record.values["curve"]["source"] == "recipe" and record.values["curve"]["per_fourfold"] == pytest.approx(
+        0.25
+    )
+    assert "steps rising with them (3000 to 5000)" in record.blocks[-1]
+    assert "the gap of 0.25 to the synthetic break-even takes 1.0 more fourfold steps" in record.blocks[-1]
 
 
 def test_the_mixture_record_ranks_each_dataset_with_seed_noise_and_says_whether_the_runs_still_improved():

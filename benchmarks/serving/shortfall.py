@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import statistics
 from dataclasses import dataclass
 
@@ -70,6 +71,34 @@ class BestRecipe:
     break_even: BreakEven
     record_title: str
     machine: str | None  # where the record was measured; None: not recorded
+    ladder: dict | None = None  # the uncut shape's accepted length over training conversations in the same launch
+
+
+def recipe_ladder(uncut: RecipeRow, rows: list[RecipeRow], runs: dict[str, dict]) -> dict | None:
+    """The best recipe's own curve: the uncut rows of its shape in the same launch whose runs were trained on other
+    numbers of conversations, the fewest's and the most's accepted lengths, with each one's steps (`runs`: the
+    record's trained values by run name). None where the launch served one size."""
+    by_count: dict[int, tuple[float, int]] = {}
+    for row in rows:
+        if row.shape != uncut.shape or row.layers != uncut.layers:
+            continue
+        trained = [runs.get(name, {}) for name in re.findall(r"`([^`]+)`", row.runs)]
+        counts = {t.get("conversations") for t in trained}
+        if len(counts) == 1 and None not in counts:
+            by_count[counts.pop()] = (row.accepted_length, trained[0].get("steps"))
+    if len(by_count) < 2:
+        return None
+    fewest, most = min(by_count), max(by_count)
+    (low, low_steps), (high, high_steps) = by_count[fewest], by_count[most]
+    per_fourfold = (high - low) / math.log(most / fewest, 4)
+    return {
+        "fewest": fewest,
+        "most": most,
+        "low": low,
+        "high": high,
+        "steps": [low_steps, high_steps],
+        "per_fourfold": per_fourfold,
+    }
 
 
 def best_recipe(records: list[Record], target: str = TARGET) -> BestRecipe:
@@ -102,7 +131,8 @@ def best_recipe(records: list[Record], target: str = TARGET) -> BestRecipe:
             if (b["block"], b.get("layers"), b["vocabulary"]) == (block, best.layers, vocabulary)
         ]
         break_even = BreakEven(block, vocabulary, *line["accepted_length"], line["cycle_cost"])
-        return BestRecipe(best, uncut, break_even, record.title, record.machine)
+        ladder = recipe_ladder(uncut, rows, record.values.get("runs", {}))
+        return BestRecipe(best, uncut, break_even, record.title, record.machine, ladder)
     raise SystemExit(f"no record of benchmarks/{GROUP}/{PAGE}.md has labelled recipe rows on the {target} target")
 
 
@@ -156,6 +186,28 @@ def own_text(uncut: RecipeRow) -> str:
         "costs about the same however many of its tokens are accepted (the block decode and the verify batch keep "
         f"their size), so that is the accepted length they needed: **{cycle.value - uncut.accepted_length:.2f} more** "
         "than they reached."
+    )
+
+
+def ladder_text(ladder: dict, gap: float, own_gap: float | None) -> str:
+    """What the best recipe's own curve says the gap would take: from its drafts' own break-even where the record
+    has one, else from the synthetic one."""
+    low_steps, high_steps = ladder["steps"]
+    with_steps = f", steps rising with them ({low_steps} to {high_steps})" if low_steps != high_steps else ""
+    head = (
+        "**What the curve says** (an extrapolation from two points, not measured): the recipe's uncut drafts served "
+        f"{ladder['low']:.2f} accepted tokens per cycle trained on {ladder['fewest']} conversations and "
+        f"{ladder['high']:.2f} on {ladder['most']}, in the same launch{with_steps}: {ladder['per_fourfold']:+.3f} per "
+        "fourfold conversations."
+    )
+    to_close, against = (own_gap, "their own") if own_gap is not None else (gap, "the synthetic")
+    if ladder["per_fourfold"] <= 0:
+        return f"{head} It gives no rate to extrapolate."
+    fourfolds = to_close / ladder["per_fourfold"]
+    return (
+        f"{head} At that rate the gap of {to_close:.2f} to {against} break-even takes {fourfolds:.1f} more fourfold "
+        f"steps, about {ladder['most'] * 4**fourfolds:,.0f} conversations: more data of this kind alone does not "
+        "close it within this CPU's budget; the cycle's cost has to fall, or the acceptance per conversation rise."
     )
 
 
@@ -253,7 +305,10 @@ def shortfall_record(speedup_records: list[Record], cycle_records: list[Record],
     if own is not None:
         values["own_break_even"] = [own[0].value, own[0].low, own[0].high]
         values["own_gap"] = own[0].value - uncut.accepted_length
-    if curve and curve["per_fourfold"] > 0:
+    if found.ladder is not None:
+        blocks.append(ladder_text(found.ladder, gap, values.get("own_gap")))
+        values["curve"] = found.ladder | {"block": shape.block, "source": "recipe"}
+    elif curve and curve["per_fourfold"] > 0:
         fourfolds = gap / curve["per_fourfold"]
         conversations = curve["most"] * 4**fourfolds
         blocks.append(
