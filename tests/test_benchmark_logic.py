@@ -515,3 +515,21 @@ def test_the_acceptance_gap_reads_the_served_window_and_each_slots_conditional_r
     found = row_values([decoded, Decoded([1, 1])], 2, 5)
     assert found["accepted_length"][0] == pytest.approx((2.0 + 1.0) / 2)  # per prompt, then over prompts
     assert (found["cycles"], found["prompts"]) == (4, 2)
+
+
+def test_a_benchmark_refuses_a_run_that_is_not_there_in_one_line(tmp_path):
+    from benchmarks.common.runs import load_run
+
+    with pytest.raises(SystemExit, match=r"^error: invalid --run='nope': no checkpoint at .*nope/checkpoint.pt"):
+        load_run("nope", tmp_path)
+
+
+def test_the_shortfall_says_when_drafts_reach_their_own_break_even():
+    from benchmarks.serving.shortfall import RecipeRow, ladder_text, own_text
+
+    # seeds at 1.30 / 1.25 and 1.30 / 1.30: cycles of 1.04 and 1.00 plain tokens, below the 1.30 reached
+    row = RecipeRow("**recipe** `a`, `b`", (1.27, 1.2, 1.3), 1.30, (3, 4096, 0.0), 4, 2, (1.25, 1.30), (1.30, 1.30))
+    assert "they reached it, 0.28 above." in own_text(row)
+    ladder = {"fewest": 1000, "most": 4000, "low": 1.2, "high": 1.3, "steps": [3000, 3000], "per_fourfold": 0.1}
+    assert "The drafts reach their own break-even" in ladder_text(ladder, 0.1, -0.28)
+    assert "steps rising" not in ladder_text(ladder, 0.1, -0.28)  # same steps at both sizes

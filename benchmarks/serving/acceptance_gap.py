@@ -22,13 +22,12 @@ from tqdm.auto import tqdm
 
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
 from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
+from benchmarks.common.runs import load_run
 from benchmarks.serving.speedup import prompts_by_category
 from harness.data import held_out_conversations, prepare_documents
 from harness.decode import speculative_generate
 from harness.evaluate import chat_prompt_ids, prompt_ids
-from harness.run import Run
 from harness.serving.draft import reduced_vocabulary
-from harness.train import TrainedRun
 from harness.uncertainty import mean_estimate
 
 GROUP, PAGE = "serving", "ACCEPTANCE_GAP"
@@ -88,13 +87,16 @@ def row_values(decoded: list[Decoded], drafted: int, window: int | None) -> dict
 
 
 def measure_run(name: str, args: argparse.Namespace) -> tuple[list, dict]:
-    trained = TrainedRun.load(Run.locate(name, args.workdir))
+    trained = load_run(name, args.workdir)
     target = trained.load_target()
     draft = trained.draft(target).eval()
     documents = prepare_documents(target, trained.config.data, trained.run.workdir)
     vocabulary = torch.tensor(reduced_vocabulary(target, documents.train, args.vocabulary))
     block = draft.block_size - draft.shared.first_draft_slot
-    held = held_out_conversations(trained.config.data, args.chat_data, args.prompts, trained.run.workdir)
+    try:
+        held = held_out_conversations(trained.config.data, args.chat_data, args.prompts, trained.run.workdir)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     by_category = prompts_by_category(target.tokenizer, max(1, args.prompts // 8))
     sets = {
         "validation": chat_prompt_ids(documents.validation, args.prompts),

@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 
 from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
+from benchmarks.common.runs import load_run
 from harness.config import EvalConfig
 from harness.data import prepare_documents
 from harness.evaluate import prompt_sets
-from harness.run import SERVED_DIR, Run
+from harness.run import SERVED_DIR
 from harness.serving import metrics as served_names
 from harness.serving.compare import serve_and_compare
 from harness.serving.draft import served_draft
@@ -26,14 +27,13 @@ from harness.serving.engine import find_engine
 from harness.serving.gguf import target_gguf
 from harness.serving.server import Session
 from harness.serving.speed import serve_speed
-from harness.train import TrainedRun
 
 GROUP, PAGE = "serving", "SERVED_COST"
 
 
 def measure(args: argparse.Namespace) -> Record:
     engine = find_engine()
-    trained = TrainedRun.load(Run.locate(args.run, args.workdir))
+    trained = load_run(args.run, args.workdir)
     run = trained.run
     target = trained.load_target()
     draft = trained.draft(target)

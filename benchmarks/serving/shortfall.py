@@ -180,12 +180,13 @@ def own_text(uncut: RecipeRow) -> str:
         if per_seed
         else "the row's pooled accepted length (the record holds no per-seed one)"
     )
+    short = cycle.value - uncut.accepted_length
     return (
         f" **Their own break-even**: a cycle of these drafts cost {cycle.text()} plain tokens, {accepted} over its "
         "speed-up, with a t interval over seeds and each seed's launch noise inside its mean over rounds. A cycle "
         "costs about the same however many of its tokens are accepted (the block decode and the verify batch keep "
-        f"their size), so that is the accepted length they needed: **{cycle.value - uncut.accepted_length:.2f} more** "
-        "than they reached."
+        "their size), so that is the accepted length they needed: "
+        + (f"**{short:.2f} more** than they reached." if short > 0 else f"they reached it, {-short:.2f} above.")
     )
 
 
@@ -201,6 +202,8 @@ def ladder_text(ladder: dict, gap: float, own_gap: float | None) -> str:
         "fourfold conversations."
     )
     to_close, against = (own_gap, "their own") if own_gap is not None else (gap, "the synthetic")
+    if to_close <= 0:
+        return f"{head} The drafts reach {against} break-even: no more data is needed by this measure."
     if ladder["per_fourfold"] <= 0:
         return f"{head} It gives no rate to extrapolate."
     fourfolds = to_close / ladder["per_fourfold"]

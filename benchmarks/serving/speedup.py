@@ -30,11 +30,12 @@ from pathlib import Path
 
 from algorithms.metrics import REALIZED_ACCEPTED_LENGTH
 from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
+from benchmarks.common.runs import load_run
 from harness.config import RunConfig
 from harness.data import data_identity, held_out_conversations, prepare_documents, stable_hash
 from harness.evaluate import chat_prompt_ids, prompt_ids
 from harness.mtbench import mtbench_records
-from harness.run import SERVED_DIR, Run
+from harness.run import SERVED_DIR
 from harness.serving import break_even
 from harness.serving import metrics as served_names
 from harness.serving.compare import accepted_length
@@ -193,7 +194,7 @@ TARGET_FILES = {"f32": "f32", "q4_1": "Q4_1 (shipped)"}
 
 def measure(args: argparse.Namespace) -> Record:
     engine = find_engine()
-    runs = [TrainedRun.load(Run.locate(name, args.workdir)) for name in args.run]
+    runs = [load_run(name, args.workdir) for name in args.run]
     launch = launch_config([(t.run.name, t.config) for t in runs], args.chat_data)
     workdir = runs[0].run.workdir
     target = runs[0].load_target()

@@ -20,18 +20,17 @@ import torch
 
 from benchmarks.common.extraction import extracted, matmul_rate
 from benchmarks.common.records import Page, Provenance, Record, Table, page_argument
+from benchmarks.common.runs import load_run
 from harness.data import prepare_documents
 from harness.devices import cpu_has_native_bf16
 from harness.features import BF16_FEATURE_TOLERANCE, relative_difference
-from harness.run import Run
-from harness.train import TrainedRun
 
 GROUP, PAGE = "training", "FEATURE_PRECISION"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def measure(args: argparse.Namespace) -> Record:
-    trained = TrainedRun.load(Run.locate(args.run, args.workdir))
+    trained = load_run(args.run, args.workdir)
     target = trained.load_target()
     documents = prepare_documents(target, trained.config.data, trained.run.workdir).train[: args.documents]
     layer_ids = trained.config.algorithm.shared.resolve_target_layer_ids(target.spec.num_hidden_layers)
