@@ -529,7 +529,7 @@ def test_the_shortfall_says_when_drafts_reach_their_own_break_even():
 
     # seeds at 1.30 / 1.25 and 1.30 / 1.30: cycles of 1.04 and 1.00 plain tokens, below the 1.30 reached
     row = RecipeRow("**recipe** `a`, `b`", (1.27, 1.2, 1.3), 1.30, (3, 4096, 0.0), 4, 2, (1.25, 1.30), (1.30, 1.30))
-    assert "they reached it, 0.28 above." in own_text(row)
+    assert "they reached it, 0.28 above." in own_text(row, row.own_cycle())
     ladder = {"fewest": 1000, "most": 4000, "low": 1.2, "high": 1.3, "steps": [3000, 3000], "per_fourfold": 0.1}
     assert "The drafts reach their own break-even" in ladder_text(ladder, 0.1, -0.28)
     assert "steps rising" not in ladder_text(ladder, 0.1, -0.28)  # same steps at both sizes

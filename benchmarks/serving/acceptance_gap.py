@@ -112,6 +112,7 @@ def measure_run(name: str, args: argparse.Namespace) -> tuple[list, dict]:
         ("MT-bench", args.n_max, vocabulary),
     ]
     history = (trained.state.get("history") or [{}])[-1]
+    offline = history.get(REALIZED_ACCEPTED_LENGTH)
     offline_positions = [history.get(f"realized_position_{k}_conditional_acc") for k in range(1, block + 1)]
     rows = [
         [
@@ -120,13 +121,11 @@ def measure_run(name: str, args: argparse.Namespace) -> tuple[list, dict]:
             str(block),
             "whole",
             "whole replies",
-            f"{history.get(REALIZED_ACCEPTED_LENGTH, float('nan')):.3f}",
+            "-" if offline is None else f"{offline:.3f}",
             " / ".join("-" if p is None else f"{p:.2f}" for p in offline_positions),
         ]
     ]
-    values: dict = {
-        "offline": {"accepted_length": history.get(REALIZED_ACCEPTED_LENGTH), "positions": offline_positions}
-    }
+    values: dict = {"offline": {"accepted_length": offline, "positions": offline_positions}}
     decoded_sets: dict[tuple, list[Decoded]] = {}
     for prompt_set, drafted, restricted in steps:
         decoded = decode_set(trained, target, draft, sets[prompt_set], args, drafted, restricted)
@@ -147,7 +146,7 @@ def measure_run(name: str, args: argparse.Namespace) -> tuple[list, dict]:
 
 
 def cells(prompt_set: str, drafted: int, vocabulary: str, tokens: str, found: dict) -> list[str]:
-    low, value, high = found["accepted_length"][1], found["accepted_length"][0], found["accepted_length"][2]
+    value, low, high = found["accepted_length"]
     positions = " / ".join(f"{p:.2f}" for p in found["positions"])
     return [
         prompt_set,

@@ -169,9 +169,9 @@ def cycle_split(records: list[Record], block: int, trained_block: int | None = N
     raise SystemExit(f"no record of benchmarks/{GROUP}/{CYCLE_PAGE}.md measures a block-{block} cycle on {target}")
 
 
-def own_text(uncut: RecipeRow) -> str:
-    """The uncut drafts' break-even read from their own served cycles, beside the synthetic one."""
-    own = uncut.own_cycle()
+def own_text(uncut: RecipeRow, own: tuple[Estimate, bool] | None) -> str:
+    """The uncut drafts' break-even read from their own served cycles (`uncut.own_cycle()`), beside the synthetic
+    one."""
     if own is None:
         return ""
     cycle, per_seed = own
@@ -257,6 +257,7 @@ def shortfall_record(speedup_records: list[Record], cycle_records: list[Record],
         "tokens may gain less per conversation)"
     )
     gap = shape.value - uncut.accepted_length
+    own = uncut.own_cycle()
     value, low, high = best.speedup
     against = (
         ""
@@ -275,7 +276,7 @@ def shortfall_record(speedup_records: list[Record], cycle_records: list[Record],
         f"{f', {shape.vocabulary}-token draft vocabulary' if shape.vocabulary else ''}): "
         f"{interval_text(shape.value, shape.low, shape.high)}, a cycle costing {shape.cycle_cost:.2f} plain tokens. "
         "The uncut drafts "
-        f"need **{gap:.2f} more accepted tokens per cycle** to break even." + own_text(uncut),
+        f"need **{gap:.2f} more accepted tokens per cycle** to break even." + own_text(uncut, own),
         Table(
             [f"part of a block-{shape.block} cycle (`{split['record']}`, accepted length 1)", "plain tokens"],
             [
@@ -304,7 +305,6 @@ def shortfall_record(speedup_records: list[Record], cycle_records: list[Record],
         "gap": gap,
         "split": {k: v for k, v in split.items() if k not in ("record", "machine")},
     }
-    own = uncut.own_cycle()
     if own is not None:
         values["own_break_even"] = [own[0].value, own[0].low, own[0].high]
         values["own_gap"] = own[0].value - uncut.accepted_length
